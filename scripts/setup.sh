@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Installs everything reshard needs and builds it into build/. Idempotent: a second run only
+# rebuilds what changed. Debian 12 or 13 (OpenMPI 4 or 5), Python 3.11 with the local
+# torch==2.13.0 CPU wheel.
+#   RESHARD_SKIP_APT=1     skip apt-get (packages already there)
+#   RESHARD_BUILD_TYPE=... CMake build type (default Release)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+APT_PACKAGES=(build-essential cmake pkg-config openmpi-bin libopenmpi-dev libyaml-cpp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
+  fortunes-min fortunes)
+
+need_apt=0
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_apt=1
+done
+if [[ "${RESHARD_SKIP_APT:-0}" != 1 && $need_apt == 1 ]]; then
+  echo "[setup] installing Debian packages: ${APT_PACKAGES[*]}"
+  SUDO=""; [[ $(id -u) != 0 ]] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT_PACKAGES[@]}" >/dev/null
+fi
+
+# Python: a venv with the CPU torch first, then everything else with torch pinned.
+PY=${RESHARD_PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+VPY=$ROOT/.venv/bin/python
+if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
+  echo "[setup] pip install torch==2.13.0 (CPU, local wheel)"
+  "$VPY" -m pip install -q --upgrade pip setuptools wheel
+  "$VPY" -m pip install -q torch==2.13.0
+fi
+# Pin torch so that nothing below can pull another build.
+echo "torch==2.13.0" > .venv/constraints.txt
+PIP_REQS=(numpy pytest matplotlib pybind11 ninja "cmake<5" pyyaml safetensors psutil tqdm)
+if ! "$VPY" -c "import numpy, pytest, matplotlib, pybind11, yaml, safetensors, psutil, tqdm" 2>/dev/null; then
+  echo "[setup] pip install ${PIP_REQS[*]}"
+  "$VPY" -m pip install -q -c .venv/constraints.txt "${PIP_REQS[@]}"
+fi
+# DeepSpeed (pinned): setup.py imports torch, so no build isolation (which would fetch another torch).
+DS_VERSION=0.19.8
+if ! "$VPY" -c "import deepspeed, sys; sys.exit(0 if deepspeed.__version__.startswith('$DS_VERSION') else 1)" 2>/dev/null; then
+  echo "[setup] pip install deepspeed==$DS_VERSION (no ops built; CPU)"
+  DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation -c .venv/constraints.txt \
+    "deepspeed==$DS_VERSION" || echo "[setup] WARNING: DeepSpeed could not be installed; DeepSpeed-written checkpoints will be skipped"
+fi
+
+# Build.
+BUILD_TYPE=${RESHARD_BUILD_TYPE:-Release}
+TORCH_CMAKE=$("$VPY" -c "import torch; print(torch.utils.cmake_prefix_path)")
+PYBIND_CMAKE=$("$VPY" -c "import pybind11; print(pybind11.get_cmake_dir())")
+CMAKE=$ROOT/.venv/bin/cmake
+if [[ ! -f build/CMakeCache.txt ]]; then
+  "$CMAKE" -S . -B build -G Ninja -DCMAKE_MAKE_PROGRAM="$ROOT/.venv/bin/ninja" \
+    -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+    -DPython_EXECUTABLE="$VPY" -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$PYBIND_CMAKE" >/dev/null
+fi
+echo "[setup] building (build/)"
+"$CMAKE" --build build -j"$(nproc)"
+echo "[setup] done"

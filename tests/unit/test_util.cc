@@ -1,0 +1,40 @@
+#include "unit/test_util.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <vector>
+
+namespace reshard::testing {
+
+uint64_t test_seed(const char* test_name) {
+  uint64_t seed;
+  if (const char* env = std::getenv("RESHARD_TEST_SEED")) {
+    seed = std::strtoull(env, nullptr, 10);
+  } else {
+    seed = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) % 1000000007ull;
+  }
+  std::printf("[seed] %s: RESHARD_TEST_SEED=%llu\n", test_name, (unsigned long long)seed);
+  std::fflush(stdout);
+  return seed;
+}
+
+std::string source_path(const std::string& relative) {
+#ifdef RESHARD_SOURCE_DIR
+  return std::string(RESHARD_SOURCE_DIR) + "/" + relative;
+#else
+  return relative;
+#endif
+}
+
+std::string make_temp_dir(const std::string& prefix) {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base ? base : "/tmp") + "/" + prefix + "XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
+  return std::string(buf.data());
+}
+
+}  // namespace reshard::testing

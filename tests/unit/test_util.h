@@ -1,0 +1,19 @@
+// Helpers shared by the C++ tests.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace reshard::testing {
+
+/// Seed for a randomised test: RESHARD_TEST_SEED if set, else a fresh one. The seed is printed so
+/// that a failure can be replayed with RESHARD_TEST_SEED=<seed>.
+uint64_t test_seed(const char* test_name);
+
+/// Absolute path of a file in the source tree (configs, fixtures).
+std::string source_path(const std::string& relative);
+
+/// A fresh empty temporary directory, removed by the OS or by the test.
+std::string make_temp_dir(const std::string& prefix);
+
+}  // namespace reshard::testing
