@@ -1,0 +1,379 @@
+"""Reference trainer: a tiny Megatron-DeepSpeed-style GPT trained with real DeepSpeed on CPU.
+
+Launch (one process per rank; world size = tp * pp * dp):
+
+    DS_ACCELERATOR=cpu mpirun --oversubscribe --allow-run-as-root -np 8 \\
+        .venv/bin/python -m integration.megatron_deepspeed.train --tp 2 --pp 2 --dp 2 --steps 5 \\
+        --log-json /tmp/loss.json
+
+mpirun's OMPI_COMM_WORLD_* variables are mapped to RANK/WORLD_SIZE/LOCAL_RANK; MASTER_ADDR defaults
+to 127.0.0.1 and MASTER_PORT to 29500 (set it to run several jobs at once). A single process can also
+be started directly (world size 1).
+
+Data: the Debian fortunes corpus, byte-level tokens (ids 0..255; 0 separates fortunes), fixed-length
+samples chosen by a seeded permutation. Sample i of the run is a pure function of i, and step s uses
+global samples [s*G, (s+1)*G) (G = global batch) in Megatron's order (micro-step m, dp rank d gets
+[m*mb*dp + d*mb, +mb)), so every layout and every resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+import warnings
+
+import numpy as np
+
+
+def _setup_env_from_mpi():
+    env = os.environ
+    if "OMPI_COMM_WORLD_RANK" in env:
+        env.setdefault("RANK", env["OMPI_COMM_WORLD_RANK"])
+        env.setdefault("WORLD_SIZE", env["OMPI_COMM_WORLD_SIZE"])
+        env.setdefault("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+        env.setdefault("LOCAL_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    env.setdefault("RANK", "0")
+    env.setdefault("WORLD_SIZE", "1")
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    # One compute thread per rank: ranks are oversubscribed on small machines.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    warnings.filterwarnings("ignore", message=r".*c10d::broadcast_.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*all_gather_into_tensor.*")
+
+
+_setup_env_from_mpi()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from . import model as M  # noqa: E402
+
+FORTUNES_DIR = "/usr/share/games/fortunes"
+EOS = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+
+
+def corpus_files(root: str = FORTUNES_DIR):
+    files = []
+    for p in sorted(glob.glob(os.path.join(root, "*"))):
+        name = os.path.basename(p)
+        if "." in name or not os.path.isfile(p) or os.path.islink(p):
+            continue
+        files.append(p)
+    return files
+
+
+class FortuneData:
+    """Byte-level token stream of the fortunes corpus; sample(i) -> (tokens[seq], labels[seq])."""
+
+    def __init__(self, seq_length: int, seed: int, root: str = FORTUNES_DIR):
+        files = corpus_files(root)
+        if not files:
+            raise FileNotFoundError(f"no fortune files under {root} (apt-get install fortunes fortunes-min)")
+        pieces = []
+        h = hashlib.sha256()
+        for p in files:
+            raw = open(p, "rb").read()
+            h.update(os.path.basename(p).encode() + b"\0" + raw)
+            for entry in raw.split(b"\n%\n"):
+                entry = entry.strip(b"%\n").replace(b"\0", b" ")
+                if entry:
+                    pieces.append(entry + bytes([EOS]))
+        stream = np.frombuffer(b"".join(pieces), dtype=np.uint8).astype(np.int64)
+        self.stream = torch.from_numpy(stream)
+        self.seq = seq_length
+        self.num_chunks = (len(stream) - 1) // seq_length
+        self.perm = np.random.RandomState(seed).permutation(self.num_chunks)
+        self.corpus_sha256 = h.hexdigest()
+        self.num_files = len(files)
+
+    def sample(self, i: int):
+        c = int(self.perm[i % self.num_chunks])
+        s = c * self.seq
+        window = self.stream[s:s + self.seq + 1]
+        return window[:-1], window[1:]
+
+    def micro_batch(self, step: int, micro: int, dp_rank: int, mb: int, dp: int, global_batch: int):
+        base = step * global_batch + micro * mb * dp + dp_rank * mb
+        toks, labs = zip(*(self.sample(base + j) for j in range(mb)))
+        return torch.stack(toks), torch.stack(labs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("parallel")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--dp", type=int, default=None, help="default: world_size / (tp*pp)")
+    g.add_argument("--zero", type=int, default=1, help="ZeRO stage (pipeline: 0 or 1; --no-pipeline: 0..3)")
+    g.add_argument("--no-pipeline", action="store_true",
+                   help="plain DeepSpeed engine on the non-pipeline GPTModel (tp=pp=1)")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--hidden", type=int, default=64)
+    g.add_argument("--heads", type=int, default=8)
+    g.add_argument("--query-groups", "--num-key-value-heads", dest="query_groups", type=int, default=None,
+                   help="GQA query groups (default: = heads, i.e. MHA)")
+    g.add_argument("--ffn", type=int, default=128)
+    g.add_argument("--swiglu", action="store_true")
+    t = g.add_mutually_exclusive_group()
+    t.add_argument("--tied", dest="tied", action="store_true", default=True)
+    t.add_argument("--untied", dest="tied", action="store_false")
+    g.add_argument("--no-bias", dest="bias", action="store_false", default=True)
+    g.add_argument("--normalization", choices=["layernorm", "rmsnorm"], default="layernorm")
+    g.add_argument("--no-position-embeddings", dest="position_embeddings", action="store_false", default=True)
+    g.add_argument("--vocab-size", type=int, default=256)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=64)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--grad-accum-dtype", choices=["fp32", "bf16", "default"], default="fp32",
+                   help="bf16 only: DeepSpeed data_types.grad_accum_dtype (fp32 -> BF16_Optimizer under ZeRO-1)")
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=5, help="train until this iteration (absolute)")
+    g.add_argument("--micro-batch", type=int, default=2)
+    g.add_argument("--global-batch", type=int, default=8)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=0.0)
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
+    g.add_argument("--load", default=None)
+    g.add_argument("--log-json", default=None)
+    g.add_argument("--quiet", action="store_true")
+    g.add_argument("--verbose", action="store_true", help="DeepSpeed INFO logging")
+    return p
+
+
+def config_from_args(args, world: int) -> M.GPTConfig:
+    if args.dp is None:
+        args.dp = world // (args.tp * args.pp)
+    if args.tp * args.pp * args.dp != world:
+        raise SystemExit(f"tp*pp*dp = {args.tp * args.pp * args.dp} != world size {world}")
+    return M.GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                       num_key_value_heads=args.query_groups or args.heads, ffn_hidden_size=args.ffn,
+                       swiglu=args.swiglu, tied=args.tied, add_bias_linear=args.bias,
+                       normalization=args.normalization, vocab_size=args.vocab_size,
+                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                       seq_length=args.seq_length, position_embeddings=args.position_embeddings,
+                       bf16=args.bf16, seed=args.seed, tp=args.tp, pp=args.pp, dp=args.dp)
+
+
+def ds_config(args, gas: int) -> dict:
+    cfg = {
+        "train_batch_size": args.global_batch,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": args.clip_grad,
+        "zero_optimization": {"stage": args.zero},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bool(args.bf16)},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if args.bf16 and args.grad_accum_dtype != "default":
+        cfg["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint client state (Megatron-DeepSpeed save_checkpoint)
+# ----------------------------------------------------------------------------------------------
+
+
+def get_rng_state():
+    return [{
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.get_rng_state(),  # CPU accelerator: the CPU generator
+        "rng_tracker_states": {},
+    }]
+
+
+def client_state(cfg: M.GPTConfig, args, iteration: int, consumed: int, uc_info: dict) -> dict:
+    ns = M.megatron_args_namespace(cfg, {
+        "iteration": iteration,
+        "train_iters": args.steps,
+        "consumed_train_samples": consumed,
+        "consumed_valid_samples": 0,
+        "micro_batch_size": args.micro_batch,
+        "global_batch_size": args.global_batch,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "clip_grad": args.clip_grad,
+        "zero_stage": args.zero,
+        "no_pipeline_parallel": bool(args.no_pipeline),
+        "save": args.save,
+        "load": args.load,
+        "tokenizer_type": "ByteLevel",
+    })
+    info = dict(uc_info)
+    info.update({
+        "original_vocab_size": cfg.vocab_size,
+        "padded_vocab_size": cfg.padded_vocab_size,
+        "universal_checkpoint_version": 0.2,
+    })
+    return {
+        "args": ns,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "tokens": consumed * cfg.seq_length,
+        "universal_checkpoint_info": info,
+        "rng_state": get_rng_state(),
+    }
+
+
+def save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, no_pipeline: bool):
+    state = client_state(cfg, args, iteration, consumed, uc_info)
+    module = engine.module
+    if no_pipeline:
+        # Megatron-DeepSpeed (--no-pipeline-parallel) saves the nested Megatron state dict.
+        original = module.state_dict
+        module.state_dict = lambda destination=None, prefix="", keep_vars=False: \
+            module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+    try:
+        engine.save_checkpoint(args.save, client_state=state)
+    finally:
+        if no_pipeline:
+            module.state_dict = original
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+
+
+def load_with(engine, args):
+    """Hook point: load a checkpoint into the engine and return (iteration, consumed_samples).
+
+    For now this is DeepSpeed's own same-layout load_checkpoint. A reshard-based loader (different
+    saved layout -> this engine's layout) will replace the body of this function.
+    """
+    path, cs = engine.load_checkpoint(args.load, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint under {args.load}")
+    iteration = int(cs["iteration"])
+    consumed = int(getattr(cs["args"], "consumed_train_samples", iteration * args.global_batch))
+    return iteration, consumed
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    t0 = time.time()
+    import deepspeed
+    import logging
+    from deepspeed.utils import logger as ds_logger
+    ds_logger.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = config_from_args(args, world)
+    if args.no_pipeline:
+        assert cfg.tp == 1 and cfg.pp == 1, "--no-pipeline supports tp=1, pp=1"
+    elif args.zero > 1:
+        raise SystemExit("DeepSpeed's PipelineEngine supports ZeRO stage 0/1 only; use --no-pipeline")
+    mb, dp = args.micro_batch, cfg.dp
+    if args.global_batch % (mb * dp):
+        raise SystemExit("global batch must be a multiple of micro_batch * dp")
+    gas = args.global_batch // (mb * dp)
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    data = FortuneData(cfg.seq_length, args.seed)
+
+    if args.no_pipeline:
+        M.init_tensor_parallel(None)
+        net = M.GPTModel(cfg)
+        uc_info = M.gpt_universal_checkpoint_info(cfg)
+        dp_rank = rank
+    else:
+        topo = PipeModelDataParallelTopology(num_pp=cfg.pp, num_mp=cfg.tp, num_dp=cfg.dp)
+        M.init_tensor_parallel(topo)
+        net = M.build_gpt_pipe(cfg, topo)
+        uc_info = M.pipe_universal_checkpoint_info(cfg)
+        dp_rank = topo.get_coord(rank).data
+
+    groups = M.get_param_groups(net, args.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=ds_config(args, gas))
+
+    iteration, consumed = 0, 0
+    if args.load:
+        iteration, consumed = load_with(engine, args)
+        if consumed != iteration * args.global_batch:
+            raise SystemExit(f"consumed samples {consumed} != iteration*global_batch; global batch changed?")
+
+    log = {"config": {**cfg.to_dict(), "zero": args.zero, "no_pipeline": args.no_pipeline,
+                      "global_batch": args.global_batch, "micro_batch": mb, "gas": gas, "lr": args.lr,
+                      "corpus_sha256": data.corpus_sha256, "start_iteration": iteration},
+           "steps": []}
+    if args.save and rank == 0:
+        os.makedirs(args.save, exist_ok=True)
+
+    while iteration < args.steps:
+        step = iteration
+        batches = [data.micro_batch(step, m, dp_rank, mb, dp, args.global_batch) for m in range(gas)]
+        if args.no_pipeline:
+            total = 0.0
+            for toks, labs in batches:
+                loss = engine(toks, labs)
+                engine.backward(loss)
+                engine.step()
+                total += float(loss.detach())
+            lt = torch.tensor([total / gas], dtype=torch.float64)
+            dist.all_reduce(lt)
+            loss_val = float(lt) / dp
+        else:
+            loss = engine.train_batch(data_iter=iter(batches))
+            loss_val = float(loss.detach().double()) if torch.is_tensor(loss) else float(loss)
+        iteration += 1
+        consumed += args.global_batch
+        if rank == 0:
+            log["steps"].append({"step": iteration, "loss": loss_val, "consumed_samples": consumed})
+            if not args.quiet:
+                print(f"[train] step {iteration} loss {loss_val:.8f}", flush=True)
+            if args.log_json:
+                with open(args.log_json, "w") as f:
+                    json.dump(log, f, indent=1)
+        if args.save and args.save_interval and iteration % args.save_interval == 0 and iteration < args.steps:
+            save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, args.no_pipeline)
+
+    if args.save:
+        save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, args.no_pipeline)
+    if rank == 0 and not args.quiet:
+        print(f"[train] done in {time.time() - t0:.1f}s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
