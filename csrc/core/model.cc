@@ -1,0 +1,245 @@
+#include "reshard/model.h"
+
+#include <regex>
+
+#include "reshard/error.h"
+
+namespace reshard {
+
+const char* split_name(Split s) {
+  switch (s) {
+    case Split::kReplicated: return "replicated";
+    case Split::kColumn: return "column";
+    case Split::kRow: return "row";
+    case Split::kVocab: return "vocab";
+    case Split::kQkv: return "qkv";
+    case Split::kSwiglu: return "swiglu";
+  }
+  return "?";
+}
+
+Split split_from_name(const std::string& s) {
+  if (s == "replicated") return Split::kReplicated;
+  if (s == "column") return Split::kColumn;
+  if (s == "row") return Split::kRow;
+  if (s == "vocab") return Split::kVocab;
+  if (s == "qkv") return Split::kQkv;
+  if (s == "swiglu") return Split::kSwiglu;
+  fail(ErrorCode::kInvalidArgument, "unknown split '", s,
+       "' (expected replicated, column, row, vocab, qkv or swiglu)");
+}
+
+const char* qkv_variant_name(QkvVariant v) {
+  switch (v) {
+    case QkvVariant::kRefuse: return "refuse";
+    case QkvVariant::kEvenRows: return "even_rows";
+    case QkvVariant::kReplicateKv: return "replicate_kv";
+  }
+  return "?";
+}
+
+QkvVariant qkv_variant_from_name(const std::string& s) {
+  if (s == "refuse") return QkvVariant::kRefuse;
+  if (s == "even_rows") return QkvVariant::kEvenRows;
+  if (s == "replicate_kv") return QkvVariant::kReplicateKv;
+  fail(ErrorCode::kInvalidArgument, "unknown tp_gt_groups variant '", s,
+       "' (expected refuse, even_rows or replicate_kv)");
+}
+
+int64_t ModelConfig::padded_vocab(int tp) const {
+  int64_t m = int64_t(vocab_divisible_by) * tp;
+  return (vocab + m - 1) / m * m;
+}
+
+void ModelConfig::validate() const {
+  auto positive = [&](const char* field, int64_t v) {
+    if (v <= 0)
+      fail(ErrorCode::kInvalidArgument, "model '", name, "': field ", field, "=", v, " must be > 0");
+  };
+  positive("num_layers", num_layers);
+  positive("hidden", hidden);
+  positive("ffn", ffn);
+  positive("heads", heads);
+  positive("vocab", vocab);
+  positive("vocab_divisible_by", vocab_divisible_by);
+  if (hidden % heads != 0)
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': hidden=", hidden,
+         " must be divisible by heads=", heads);
+  if (query_groups < 0 || (query_groups > 0 && heads % query_groups != 0))
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': heads=", heads,
+         " must be divisible by query_groups=", query_groups);
+  if (norm != "layernorm" && norm != "rmsnorm")
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': field norm='", norm,
+         "' must be layernorm or rmsnorm");
+  if (qkv_version < 2.0 && groups() != heads)
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': qkv_version=", qkv_version,
+         " (rows [3,np,hn] or [np,hn,3]) exists only for multi-head attention, but query_groups=",
+         query_groups, " != heads=", heads);
+}
+
+void ModelConfig::validate_for(int tp, int pp, int vpp) const {
+  validate();
+  auto divides = [&](const char* what, int64_t n) {
+    if (n % tp != 0)
+      fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit tp=", tp, ": ", what, "=", n,
+           " is not divisible by tp");
+  };
+  divides("heads", heads);
+  divides("ffn", ffn);
+  divides("hidden", hidden);
+  if (tp > groups()) {
+    if (tp % groups() != 0)
+      fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit tp=", tp, ": tp > query_groups=",
+           groups(), " needs tp to be a multiple of query_groups");
+    if (tp_gt_groups == QkvVariant::kRefuse)
+      fail(ErrorCode::kInvalidArgument, "model '", name, "': tp=", tp, " > query_groups=", groups(),
+           ": the fused QKV layout differs by trainer; set tp_gt_groups to even_rows (Megatron-Core) "
+           "or replicate_kv (K/V copied per rank) in the model file");
+  } else if (groups() % tp != 0) {
+    fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit tp=", tp, ": query_groups=",
+         groups(), " is not divisible by tp");
+  }
+  if (pp * vpp > num_layers)
+    fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit pp=", pp, ",vpp=", vpp,
+         ": pp*vpp=", pp * vpp, " > num_layers=", num_layers);
+  if (num_layers % (pp * vpp) != 0)
+    fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit pp=", pp, ",vpp=", vpp,
+         ": num_layers=", num_layers, " is not divisible by pp*vpp=", pp * vpp);
+}
+
+std::vector<LayoutRule> default_gpt_rules(const ModelConfig& cfg) {
+  const char* L = R"(layers\.\d+\.)";
+  std::string l = L;
+  std::vector<LayoutRule> r;
+  r.push_back({R"(embedding\.word_embeddings\.weight)", Split::kVocab});
+  r.push_back({R"(lm_head\.weight)", Split::kVocab});
+  r.push_back({R"(embedding\.position_embeddings\.weight)", Split::kReplicated});
+  r.push_back({l + R"(self_attention\.query_key_value\.(weight|bias))", Split::kQkv});
+  r.push_back({l + R"(self_attention\.dense\.weight)", Split::kRow});
+  r.push_back({l + R"(mlp\.dense_h_to_4h\.(weight|bias))", cfg.swiglu ? Split::kSwiglu : Split::kColumn});
+  r.push_back({l + R"(mlp\.dense_4h_to_h\.weight)", Split::kRow});
+  r.push_back({R"(.*(layernorm|norm)\.(weight|bias))", Split::kReplicated});
+  r.push_back({l + R"((self_attention\.dense|mlp\.dense_4h_to_h)\.bias)", Split::kReplicated});
+  return r;
+}
+
+namespace {
+
+struct CompiledRule {
+  LayoutRule rule;
+  std::regex re;
+  bool user = false;
+  int matches = 0;
+};
+
+std::vector<CompiledRule> compile_rules(const ModelConfig& cfg) {
+  std::vector<CompiledRule> out;
+  auto add = [&](const LayoutRule& r, bool user) {
+    try {
+      out.push_back({r, std::regex(r.pattern, std::regex::ECMAScript), user, 0});
+    } catch (const std::regex_error& e) {
+      fail(ErrorCode::kInvalidArgument, "model '", cfg.name, "': rule pattern '", r.pattern,
+           "' is not a valid regex: ", e.what());
+    }
+  };
+  for (const auto& r : cfg.rules) add(r, true);
+  for (const auto& r : default_gpt_rules(cfg)) add(r, false);
+  return out;
+}
+
+// Matches all specs; returns false for specs no rule names.
+void apply_rules(const ModelConfig& cfg, std::vector<CompiledRule>& rules,
+                 std::vector<TensorSpec>& specs, std::vector<std::string>* unmatched) {
+  for (auto& s : specs) {
+    bool found = false;
+    for (auto& r : rules) {
+      if (std::regex_match(s.name, r.re)) {
+        ++r.matches;
+        if (!found) {
+          s.split = r.rule.split;
+          s.reduction = r.rule.reduction;
+          found = true;
+        }
+        if (!r.user) break;  // built-in rules: first match only; user rules are all counted
+      }
+    }
+    if (!found && unmatched) unmatched->push_back(s.name);
+  }
+  for (const auto& r : rules) {
+    if (r.user && r.matches == 0)
+      fail(ErrorCode::kInvalidArgument, "model '", cfg.name, "': rule '", r.rule.pattern, "' (split ",
+           split_name(r.rule.split), ") matches no tensor; every rule must match at least one tensor");
+  }
+}
+
+}  // namespace
+
+void classify_tensors(const ModelConfig& cfg, std::vector<TensorSpec>& specs,
+                      std::vector<std::string>* unmatched) {
+  auto rules = compile_rules(cfg);
+  apply_rules(cfg, rules, specs, unmatched);
+}
+
+std::vector<TensorSpec> model_tensors(const ModelConfig& cfg, int tp) {
+  cfg.validate();
+  const int64_t H = cfg.hidden, F = cfg.ffn, hn = cfg.head_dim(), ng = cfg.groups();
+  const int64_t q = cfg.heads / ng;
+  const int64_t qkv_rows = ng * (q + 2) * hn;
+  const int64_t Vp = cfg.padded_vocab(tp);
+  std::vector<TensorSpec> out;
+  auto add = [&](std::string name, std::vector<int64_t> shape, Owner owner, int layer, bool nwd) {
+    TensorSpec s;
+    s.name = std::move(name);
+    s.shape = std::move(shape);
+    s.owner = owner;
+    s.layer = layer;
+    s.no_weight_decay = nwd;
+    out.push_back(std::move(s));
+  };
+  Owner emb_owner = cfg.tied_embeddings ? Owner::kFirstAndLast : Owner::kFirstStage;
+  add("embedding.word_embeddings.weight", {Vp, H}, emb_owner, -1, false);
+  out.back().real_rows = cfg.vocab;
+  if (cfg.max_position_embeddings > 0)
+    add("embedding.position_embeddings.weight", {cfg.max_position_embeddings, H}, Owner::kFirstStage, -1, false);
+  const bool ln_bias = cfg.norm == "layernorm";
+  for (int i = 0; i < cfg.num_layers; ++i) {
+    std::string p = "layers." + std::to_string(i) + ".";
+    add(p + "input_layernorm.weight", {H}, Owner::kLayer, i, true);
+    if (ln_bias) add(p + "input_layernorm.bias", {H}, Owner::kLayer, i, true);
+    add(p + "self_attention.query_key_value.weight", {qkv_rows, H}, Owner::kLayer, i, false);
+    if (cfg.bias) add(p + "self_attention.query_key_value.bias", {qkv_rows}, Owner::kLayer, i, true);
+    add(p + "self_attention.dense.weight", {H, H}, Owner::kLayer, i, false);
+    if (cfg.bias) add(p + "self_attention.dense.bias", {H}, Owner::kLayer, i, true);
+    add(p + "post_attention_layernorm.weight", {H}, Owner::kLayer, i, true);
+    if (ln_bias) add(p + "post_attention_layernorm.bias", {H}, Owner::kLayer, i, true);
+    int64_t up = cfg.swiglu ? 2 * F : F;
+    add(p + "mlp.dense_h_to_4h.weight", {up, H}, Owner::kLayer, i, false);
+    if (cfg.bias) add(p + "mlp.dense_h_to_4h.bias", {up}, Owner::kLayer, i, true);
+    add(p + "mlp.dense_4h_to_h.weight", {H, F}, Owner::kLayer, i, false);
+    if (cfg.bias) add(p + "mlp.dense_4h_to_h.bias", {H}, Owner::kLayer, i, true);
+  }
+  add("final_layernorm.weight", {H}, Owner::kLastStage, -1, true);
+  if (ln_bias) add("final_layernorm.bias", {H}, Owner::kLastStage, -1, true);
+  if (!cfg.tied_embeddings) {
+    add("lm_head.weight", {Vp, H}, Owner::kLastStage, -1, false);
+    out.back().real_rows = cfg.vocab;
+  }
+  std::vector<std::string> unmatched;
+  classify_tensors(cfg, out, &unmatched);
+  RESHARD_CHECK(unmatched.empty(), "built-in GPT tensor without a rule: ", unmatched.front());
+  return out;
+}
+
+std::vector<int> uniform_stage_of_layer(int num_layers, int pp, int vpp) {
+  std::vector<int> stage(num_layers, 0);
+  int chunks = pp * vpp;
+  int per_chunk = num_layers / chunks;
+  for (int i = 0; i < num_layers; ++i) {
+    int c = per_chunk > 0 ? i / per_chunk : 0;
+    if (c >= chunks) c = chunks - 1;
+    stage[i] = c % pp;
+  }
+  return stage;
+}
+
+}  // namespace reshard

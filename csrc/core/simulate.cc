@@ -1,0 +1,82 @@
+#include "reshard/simulate.h"
+
+#include <cmath>
+#include <sstream>
+#include <vector>
+
+#include "reshard/error.h"
+#include "reshard/strided.h"
+
+namespace reshard {
+
+void read_box(int32_t file, uint64_t byte_base, DType dtype, const Box& box,
+              const std::array<int64_t, kMaxDims>& strides, const ReadFn& read, void* packed) {
+  const size_t es = dtype_size(dtype);
+  auto* out = static_cast<uint8_t*>(packed);
+  for_each_run(box, strides, [&](int64_t off, int64_t cnt, int64_t pk) {
+    read(file, byte_base + uint64_t(off) * es, uint64_t(cnt) * es, out + pk * es);
+  });
+}
+
+double replica_max_abs_diff(const ReplicaCompare& c, const ReadFn& read) {
+  const int64_t n = c.box.numel();
+  std::vector<uint8_t> a(n * dtype_size(c.authoritative.dtype)), b(n * dtype_size(c.replica.dtype));
+  Box rel = c.box;
+  for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+  read_box(c.authoritative.file, c.authoritative.byte_base, c.authoritative.dtype, rel, c.authoritative.strides, read, a.data());
+  read_box(c.replica.file, c.replica.byte_base, c.replica.dtype, rel, c.replica.strides, read, b.data());
+  std::vector<double> x(n), y(n);
+  convert_elements(a.data(), c.authoritative.dtype, x.data(), DType::F64, n);
+  convert_elements(b.data(), c.replica.dtype, y.data(), DType::F64, n);
+  double m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double d = std::fabs(x[i] - y[i]);
+    if (std::isnan(d)) d = (std::isnan(x[i]) && std::isnan(y[i])) ? 0 : INFINITY;
+    if (d > m) m = d;
+  }
+  return m;
+}
+
+std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target, const ReadFn& read,
+                                         const std::vector<void*>& bufs, ReplicaPolicy policy, double atol) {
+  RESHARD_CHECK(bufs.size() == target.buffers.size(), "one pointer per target buffer");
+  std::vector<ReplicaResult> results;
+  std::ostringstream bad;
+  int nbad = 0;
+  for (size_t i = 0; i < plan.replica_compares.size(); ++i) {
+    const auto& c = plan.replica_compares[i];
+    double m = replica_max_abs_diff(c, read);
+    results.push_back({i, m});
+    if (m > atol) {
+      if (nbad++ < 8) bad << (nbad > 1 ? "; " : "") << c.tensor << " (" << state_kind_name(c.state) << ") region "
+                          << c.box.to_string() << ": max |diff| " << m;
+    }
+  }
+  if (nbad > 0 && policy == ReplicaPolicy::kError) {
+    fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint in ", nbad,
+         " region(s): ", bad.str(), " (replica policy 'error', atol ", atol,
+         "; choose 'first' or 'average' to load anyway); nothing was written");
+  }
+  std::vector<uint8_t> packed;
+  for (const Fragment& f : plan.fragments) {
+    Box rel = f.box;
+    for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+    packed.resize(f.bytes());
+    read_box(f.file, f.byte_base, f.src_dtype, rel, f.src_strides, read, packed.data());
+    for (uint32_t k = 0; k < f.num_deliveries; ++k) {
+      const Delivery& d = plan.deliveries[f.first_delivery + k];
+      const Buffer& b = target.buffers[d.buffer];
+      auto* base = static_cast<uint8_t*>(bufs[d.buffer]) + d.base * int64_t(dtype_size(b.dtype));
+      unpack_box(packed.data(), f.src_dtype, base, b.dtype, rel, d.strides);
+    }
+  }
+  for (const Fill& f : plan.fills) {
+    const Buffer& b = target.buffers[f.buffer];
+    Box rel = f.extent;
+    for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+    fill_zero_box(static_cast<uint8_t*>(bufs[f.buffer]) + f.base * int64_t(dtype_size(b.dtype)), b.dtype, rel, f.strides);
+  }
+  return results;
+}
+
+}  // namespace reshard

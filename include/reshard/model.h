@@ -1,0 +1,124 @@
+// Model description and tensor-parallel rules: which tensors a GPT-style model has, their global
+// shapes, and how each is split over tp ranks.
+//
+// Canonical tensor names use global layer numbers (never stage-local ones):
+//   embedding.word_embeddings.weight          [Vp, H]    vocab-parallel (rows split over tp)
+//   embedding.position_embeddings.weight      [S, H]     replicated (learned positions only)
+//   layers.{i}.input_layernorm.{weight,bias}  [H]        replicated
+//   layers.{i}.self_attention.query_key_value.{weight,bias}  [ng*(q+2)*hn, H]  fused QKV
+//   layers.{i}.self_attention.dense.weight    [H, H]     row-parallel (dim 1); bias replicated
+//   layers.{i}.post_attention_layernorm.*     [H]        replicated
+//   layers.{i}.mlp.dense_h_to_4h.{weight,bias} [F or 2F, H] column-parallel (SwiGLU: fused gate/up)
+//   layers.{i}.mlp.dense_4h_to_h.weight       [H, F]     row-parallel; bias replicated
+//   final_layernorm.{weight,bias}             [H]        replicated
+//   lm_head.weight                            [Vp, H]    vocab-parallel (absent when tied)
+// Facts: Megatron-DeepSpeed megatron/model/{transformer,language_model,gpt_model}.py and
+// megatron/core/tensor_parallel/layers.py (shared research formats.md §1.4, §4).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reshard/dtype.h"
+
+namespace reshard {
+
+/// How a tensor is split over tp ranks. Fused kinds have a logical view in which every tp shard
+/// is a box (DESIGN.md): SwiGLU [2F, H] is viewed as [2, F, H] split on dim 1; grouped-query QKV
+/// [ng*(q+2)*hn, H] as [ng, q+2, hn, H] split on dim 0.
+enum class Split : uint8_t {
+  kReplicated,  // every tp rank holds the whole tensor (a replica per tp rank)
+  kColumn,      // dim 0 split evenly
+  kRow,         // dim 1 split evenly
+  kVocab,       // dim 0 split evenly over the padded vocab; rows >= vocab are padding (data)
+  kQkv,         // fused query/key/value rows, see QkvVariant and qkv_version
+  kSwiglu,      // fused [gate; up] rows, each half split evenly
+};
+const char* split_name(Split s);
+Split split_from_name(const std::string& s);  // "replicated", "column", "row", "vocab", "qkv", "swiglu"
+
+/// How a trainer lays out fused QKV when tp > query groups (the files differ by trainer).
+enum class QkvVariant : uint8_t {
+  kRefuse,       // error: the layout is ambiguous (default)
+  kEvenRows,     // the fused rows are split evenly over tp (Megatron-Core)
+  kReplicateKv,  // each rank holds its query heads plus a copy of its group's K and V
+};
+const char* qkv_variant_name(QkvVariant v);
+QkvVariant qkv_variant_from_name(const std::string& s);
+
+/// Value semantics across tp ranks.
+enum class Reduction : uint8_t { kReplicated, kPartialSum };
+
+/// Which pipeline stages hold a tensor.
+enum class Owner : uint8_t { kLayer, kFirstStage, kLastStage, kFirstAndLast };
+
+struct LayoutRule {
+  std::string pattern;  // ECMAScript regex matched against the whole canonical name
+  Split split = Split::kReplicated;
+  Reduction reduction = Reduction::kReplicated;
+};
+
+struct ModelConfig {
+  std::string name;
+  int num_layers = 0;
+  int hidden = 0;
+  int ffn = 0;                  // ffn hidden size F (SwiGLU: dense_h_to_4h has 2F rows)
+  int heads = 0;
+  int query_groups = 0;         // 0 means heads (multi-head attention)
+  int64_t vocab = 0;            // real vocabulary size V
+  int vocab_divisible_by = 128; // Megatron's make_vocab_size_divisible_by
+  int max_position_embeddings = 0;  // > 0: learned absolute position embeddings
+  bool swiglu = false;
+  bool tied_embeddings = false;
+  bool bias = true;             // add_bias_linear
+  std::string norm = "layernorm";  // "layernorm" (weight, bias) or "rmsnorm" (weight)
+  DType param_dtype = DType::BF16;
+  std::string optimizer = "adam";  // Adam/AdamW with fp32 master weights
+  double qkv_version = 3.0;     // Megatron checkpoint_version: 0 -> [3,np,hn], 1.0 -> [np,hn,3], >=2 -> [np,3,hn]
+  QkvVariant tp_gt_groups = QkvVariant::kRefuse;
+  /// Rules added before the built-in GPT rules (the first matching rule wins).
+  std::vector<LayoutRule> rules;
+
+  int groups() const { return query_groups > 0 ? query_groups : heads; }
+  int head_dim() const { return hidden / heads; }
+  /// Padded vocab at tensor parallel size tp: the smallest multiple of vocab_divisible_by*tp
+  /// that is >= vocab [Megatron tokenizer.py _vocab_size_with_padding].
+  int64_t padded_vocab(int tp) const;
+  /// Field checks. Throws Error(kInvalidArgument) naming the field and the rule.
+  void validate() const;
+  /// Checks that the model fits a topology: tp divides heads, groups, ffn, hidden (row split);
+  /// pp*vpp <= layers and divides them; tp > groups needs a variant other than refuse.
+  void validate_for(int tp, int pp, int vpp) const;
+};
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // global shape as the trainer sees it at this side's tp (Vp rows for vocab)
+  Split split = Split::kReplicated;
+  Reduction reduction = Reduction::kReplicated;
+  Owner owner = Owner::kLayer;
+  int layer = -1;              // global layer index for Owner::kLayer
+  bool no_weight_decay = false;  // Megatron param group: biases and norms
+  int64_t real_rows = -1;      // vocab tensors: V (rows >= V are padding)
+};
+
+/// The built-in rules for GPT-family canonical names (the QKV/SwiGLU rules follow the config).
+std::vector<LayoutRule> default_gpt_rules(const ModelConfig& cfg);
+
+/// Every tensor of the model in the trainer's parameter order (embedding, layers, final norm,
+/// head), with global shapes at tensor-parallel size tp. Rules are applied (cfg.rules first, then
+/// the defaults); each rule in cfg.rules must match at least one tensor, else Error(kInvalidArgument)
+/// naming the rule (failures.md B09).
+std::vector<TensorSpec> model_tensors(const ModelConfig& cfg, int tp);
+
+/// Applies rules to tensors discovered in a checkpoint (name + shape). A tensor no rule names is
+/// reported in `unmatched`; each cfg.rules entry must match something (B09).
+void classify_tensors(const ModelConfig& cfg, std::vector<TensorSpec>& specs,
+                      std::vector<std::string>* unmatched);
+
+/// Pipeline stage of each global layer: layers split evenly into pp*vpp chunks; chunk c goes to
+/// stage c % pp (interleaved). Returns a vector of size num_layers.
+std::vector<int> uniform_stage_of_layer(int num_layers, int pp, int vpp);
+
+}  // namespace reshard

@@ -1,0 +1,147 @@
+// The planner: a pure function from (source layout + where its buffers live, target layout,
+// options) to the plan every rank executes. No I/O, no MPI, no torch; every rank computes the
+// same plan (ranks compare Plan::hash() before executing).
+//
+// Units: bytes unless a name says elements. GB = 10^9 bytes, GiB = 2^30 bytes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reshard/layout.h"
+
+namespace reshard {
+
+/// Where a source buffer's first element lives: file index (into SourceLayout::files) and byte
+/// offset. file = -1 marks a buffer whose file is missing (coverage errors name it).
+struct BufferLocation {
+  int32_t file = -1;
+  uint64_t byte_offset = 0;
+};
+
+struct SourceLayout {
+  Layout layout;
+  std::vector<std::string> files;          // paths (for messages and the executor's reads)
+  std::vector<BufferLocation> locations;   // one per layout.buffers entry
+};
+
+enum class ReplicaPolicy : uint8_t { kError, kAverage, kFirst };
+const char* replica_policy_name(ReplicaPolicy p);
+ReplicaPolicy replica_policy_from_name(const std::string& s);
+
+struct PlanOptions {
+  uint64_t memory_budget = uint64_t(1) << 30;  // bytes per rank per wave (staging + receive)
+  bool dedup = true;                           // read each source byte once and fan it out
+  ReplicaPolicy replica_policy = ReplicaPolicy::kError;
+  double replica_atol = 0.0;                   // tolerance for replica comparison (0 = exact)
+  bool compare_replicas = true;                // read replicas to compare them (counted apart)
+  bool strict_missing = true;    // a target tensor absent from the source is an error
+  bool strict_unexpected = true; // a source tensor absent from the target is an error
+  /// Fill a target 16-bit weight from the source fp32 master (downcast) when the source has no
+  /// 16-bit copy (ZeRO-3 checkpoints). Reported in Plan::notes.
+  bool weights_from_master = true;
+};
+
+/// Smallest memory budget accepted (bytes).
+constexpr uint64_t kMinMemoryBudget = 64 * 1024;
+
+/// A target location: rank, buffer of the target layout, element base and strides.
+struct Delivery {
+  int32_t rank = 0;
+  int32_t buffer = 0;
+  int64_t base = 0;
+  std::array<int64_t, kMaxDims> strides{};
+};
+
+/// A box of source elements read once by `reader` and delivered to one or more target places.
+/// The reader packs the box in row-major order of the box (source dtype); receivers unpack.
+struct Fragment {
+  int32_t array = 0;        // target array index
+  Box box;                  // logical box (target array coordinates)
+  int32_t file = 0;         // source file index
+  uint64_t byte_base = 0;   // byte offset in the file of the box origin
+  std::array<int64_t, kMaxDims> src_strides{};  // source strides in elements
+  DType src_dtype = DType::F32;
+  int32_t reader = 0;
+  int32_t wave = 0;
+  uint32_t first_delivery = 0;
+  uint32_t num_deliveries = 0;
+  uint64_t bytes() const { return uint64_t(box.numel()) * dtype_size(src_dtype); }
+};
+
+/// Target elements that no source holds and that are zero-filled: vocab padding rows only the
+/// target has, and flat-partition padding.
+struct Fill {
+  int32_t rank = 0;
+  int32_t buffer = 0;
+  int64_t base = 0;
+  Box extent;  // offsets unused; lengths per dim
+  std::array<int64_t, kMaxDims> strides{};
+};
+
+/// Two source copies of the same logical box that must hold equal values.
+struct ReplicaCompare {
+  int32_t array = 0;  // target array index (or -1 for a source-only array)
+  std::string tensor;
+  StateKind state = StateKind::kWeight;
+  Box box;
+  struct Side {
+    int32_t file = 0;
+    uint64_t byte_base = 0;
+    std::array<int64_t, kMaxDims> strides{};
+    DType dtype = DType::F32;
+  } authoritative, replica;
+  int32_t checker = 0;  // the rank that reads both and compares
+};
+
+struct RankStats {
+  uint64_t bytes_read = 0;      // by this rank, for the load itself
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t peak_staging = 0;    // max over waves of staging + receive bytes
+  uint64_t verify_bytes_read = 0;  // replica comparison reads
+};
+
+struct Plan {
+  Topology source_topo, target_topo;
+  std::string change;               // describe_change(source, target)
+  int world_size = 0;               // target world size
+  std::vector<Fragment> fragments;  // sorted by (wave, reader, file, byte_base)
+  std::vector<Delivery> deliveries;
+  std::vector<Fill> fills;
+  std::vector<ReplicaCompare> replica_compares;
+  int num_waves = 0;
+  std::vector<RankStats> ranks;
+  std::vector<std::string> notes;  // policies applied, rows dropped, weights from master, ...
+  uint64_t bytes_to_read = 0;      // all ranks, load reads
+  uint64_t bytes_needed = 0;       // distinct source bytes the target needs
+  uint64_t bytes_to_exchange = 0;  // all ranks, bytes sent to another rank
+  uint64_t target_bytes = 0;       // bytes of target state written
+  uint64_t peak_staging_bytes_per_rank = 0;
+
+  /// A hash of everything a rank executes; equal plans on every rank before execution.
+  uint64_t hash() const;
+};
+
+/// Plans the whole job. Throws Error with the precise reason, before anything is read:
+///  - kDataLoss: target elements that no available source piece covers (the message lists
+///    missing files and, per tensor, the uncovered element ranges);
+///  - kInvalidArgument: missing/unexpected tensors (per strictness), shape mismatches other than
+///    vocab padding rows, a memory budget below kMinMemoryBudget.
+Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptions& options = {});
+
+/// Uncovered regions found while planning (also in the kDataLoss message), for tests and reports.
+struct CoverageGap {
+  std::string tensor;
+  StateKind state;
+  Box region;
+};
+/// Like make_plan's coverage check alone: every target element not covered by the source,
+/// ignoring vocab padding rows. Empty when the source covers the target.
+std::vector<CoverageGap> find_coverage_gaps(const SourceLayout& source, const Layout& target);
+
+/// Box difference a \ b as at most 2*ndim disjoint boxes.
+std::vector<Box> box_subtract(const Box& a, const Box& b);
+
+}  // namespace reshard

@@ -1,0 +1,39 @@
+// Executes a whole plan in one process: every rank's reads, exchanges and writes, with the bytes
+// coming from a read callback and the target buffers given as pointers. Used by the single-process
+// `convert`, by the property tests (an in-memory executor for A->B->A checks) and as the reference
+// the distributed executor is tested against. Pure: all I/O goes through the callbacks.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "reshard/plan.h"
+
+namespace reshard {
+
+/// Reads `length` bytes of source file `file` at `offset` into dst; throws reshard::Error on failure.
+using ReadFn = std::function<void(int32_t file, uint64_t offset, uint64_t length, void* dst)>;
+
+/// Replica comparison outcome for one ReplicaCompare entry.
+struct ReplicaResult {
+  size_t compare = 0;   // index into Plan::replica_compares
+  double max_abs_diff = 0;
+};
+
+/// Runs the plan: replica comparisons first (returns their results; with policy kError a
+/// difference above atol throws Error(kDataLoss) naming the tensor and max |diff| before any
+/// target byte is written), then every fragment, then the fills. target_buffers[i] points at the
+/// memory of target layout buffer i (numel * dtype_size bytes).
+std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target, const ReadFn& read,
+                                         const std::vector<void*>& target_buffers,
+                                         ReplicaPolicy policy = ReplicaPolicy::kError, double atol = 0.0);
+
+/// Max |a - b| over a packed box read from two replica locations (values converted to double).
+double replica_max_abs_diff(const ReplicaCompare& c, const ReadFn& read);
+
+/// Reads a strided source box into a packed row-major buffer of its source dtype, issuing one
+/// read per contiguous run (runs adjacent in the file are merged by for_each_run).
+void read_box(int32_t file, uint64_t byte_base, DType dtype, const Box& box,
+              const std::array<int64_t, kMaxDims>& strides, const ReadFn& read, void* packed);
+
+}  // namespace reshard

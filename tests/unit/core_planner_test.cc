@@ -1,0 +1,244 @@
+// Seeded random property tests of the planner over thousands of layout pairs, through the
+// in-memory executor (simulate_plan). Replay a failure with RESHARD_TEST_SEED=<printed seed>.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "unit/core_harness.h"
+#include "unit/test_util.h"
+
+namespace reshard {
+namespace {
+
+using testing::MemCheckpoint;
+
+struct Case {
+  ModelConfig model;
+  Topology a, b;
+  std::string describe() const {
+    return "model{layers=" + std::to_string(model.num_layers) + ",hidden=" + std::to_string(model.hidden) +
+           ",heads=" + std::to_string(model.heads) + ",groups=" + std::to_string(model.groups()) +
+           ",ffn=" + std::to_string(model.ffn) + ",vocab=" + std::to_string(model.vocab) + "/" +
+           std::to_string(model.vocab_divisible_by) + ",swiglu=" + std::to_string(model.swiglu) +
+           ",tied=" + std::to_string(model.tied_embeddings) + ",bias=" + std::to_string(model.bias) +
+           ",qkv_v=" + std::to_string(model.qkv_version) + ",variant=" + qkv_variant_name(model.tp_gt_groups) +
+           "} " + a.to_string() + " -> " + b.to_string();
+  }
+};
+
+bool fits(const ModelConfig& m, const Topology& t) {
+  try {
+    t.validate();
+    m.validate_for(t.tp, t.pp, t.vpp);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+ModelConfig random_model(std::mt19937_64& rng) {
+  auto pick = [&](std::initializer_list<int> v) { return *(v.begin() + rng() % v.size()); };
+  ModelConfig m;
+  m.name = "random";
+  m.num_layers = pick({1, 2, 4});
+  m.heads = pick({2, 4, 8});
+  m.query_groups = pick({0, 1, 2, 4});
+  if (m.query_groups > m.heads) m.query_groups = m.heads;
+  m.hidden = m.heads * pick({2, 4});
+  m.ffn = pick({8, 16, 24});
+  m.vocab = pick({13, 30, 64, 100});
+  m.vocab_divisible_by = pick({1, 2, 4, 8});
+  m.swiglu = rng() % 2;
+  m.tied_embeddings = rng() % 2;
+  m.bias = rng() % 2;
+  m.norm = rng() % 2 ? "layernorm" : "rmsnorm";
+  m.max_position_embeddings = rng() % 3 == 0 ? 8 : 0;
+  m.param_dtype = rng() % 2 ? DType::BF16 : DType::F32;
+  if (m.groups() == m.heads && rng() % 3 == 0) m.qkv_version = pick({0, 1});
+  m.tp_gt_groups = QkvVariant(rng() % 3);
+  return m;
+}
+
+Topology random_topo(std::mt19937_64& rng) {
+  auto pick = [&](std::initializer_list<int> v) { return *(v.begin() + rng() % v.size()); };
+  Topology t;
+  t.tp = pick({1, 2, 4});
+  t.pp = pick({1, 1, 2, 4});
+  t.vpp = t.pp > 1 ? pick({1, 1, 2}) : 1;
+  t.dp = pick({1, 2, 3, 4});
+  t.zero = pick({0, 1, 1, 2, 3});
+  if (t.pp > 1 && t.zero >= 2) t.zero = 1;
+  return t;
+}
+
+// Derives both layouts, plans A->B, executes in memory, checks every value; then B->A and checks
+// bitwise identity with the original A buffers.
+void run_case(const Case& c, const PlanOptions& opt, bool round_trip) {
+  SCOPED_TRACE(c.describe());
+  DeriveOptions src_opt;
+  src_opt.weights_on_dp0_only = true;
+  Layout A = derive_layout(c.model, c.a, src_opt);
+  Layout B = derive_layout(c.model, c.b);
+  MemCheckpoint ma(A);
+  ma.fill_truth(A);
+  SourceLayout sa = ma.as_source(A);
+  Plan p = make_plan(sa, B, opt);
+  MemCheckpoint mb(B);
+  simulate_plan(p, B, ma.reader(), mb.ptrs());
+  std::string why;
+  int64_t src_rows = c.model.padded_vocab(c.a.tp);
+  ASSERT_EQ(testing::check_truth(B, mb, src_rows, &why), 0) << why;
+  // bytes read == bytes needed (dedup), deliveries cover the target exactly once
+  if (opt.dedup) {
+    EXPECT_EQ(p.bytes_to_read, p.bytes_needed);
+  }
+  if (!round_trip) return;
+  // B -> A (A with all replicas; compare only what A's files hold: dp0 weights and every state).
+  Layout A2 = derive_layout(c.model, c.a, src_opt);
+  SourceLayout sb = mb.as_source(B);
+  Plan back = make_plan(sb, A2, opt);
+  MemCheckpoint ma2(A2);
+  simulate_plan(back, A2, mb.reader(), ma2.ptrs());
+  int64_t vocab_rows_b = c.model.padded_vocab(c.b.tp);
+  for (size_t i = 0; i < A.buffers.size(); ++i) {
+    if (ma.bufs[i] == ma2.bufs[i]) continue;
+    // Vocab padding rows that B did not have come back as zeros: allowed only there.
+    if (vocab_rows_b < src_rows) continue;
+    ADD_FAILURE() << "round trip differs in buffer " << A.buffers[i].name << " of rank " << A.buffers[i].rank;
+    return;
+  }
+}
+
+TEST(PlannerProperty, RandomLayoutPairsExactCoverageAndRoundTrip) {
+  uint64_t seed = testing::test_seed("PlannerProperty.RandomLayoutPairs");
+  std::mt19937_64 rng(seed);
+  int ran = 0, attempts = 0;
+  const int target = std::getenv("RESHARD_PROPERTY_CASES") ? std::atoi(std::getenv("RESHARD_PROPERTY_CASES")) : 1500;
+  while (ran < target && attempts < target * 50) {
+    ++attempts;
+    Case c{random_model(rng), random_topo(rng), random_topo(rng)};
+    if (!fits(c.model, c.a) || !fits(c.model, c.b)) continue;
+    PlanOptions opt;
+    opt.dedup = rng() % 4 != 0;
+    opt.memory_budget = (rng() % 3 == 0) ? kMinMemoryBudget : (uint64_t(1) << 30);
+    run_case(c, opt, true);
+    if (::testing::Test::HasFailure()) {
+      ADD_FAILURE() << "failing case #" << ran << " (seed " << seed << ")";
+      return;
+    }
+    ++ran;
+  }
+  EXPECT_GE(ran, target);
+}
+
+TEST(PlannerProperty, SameLayoutNeedsNoExchangeForOptimizerState) {
+  uint64_t seed = testing::test_seed("PlannerProperty.SameLayout");
+  std::mt19937_64 rng(seed);
+  int ran = 0;
+  for (int attempt = 0; attempt < 5000 && ran < 200; ++attempt) {
+    Case c{random_model(rng), random_topo(rng), {}};
+    c.b = c.a;
+    if (!fits(c.model, c.a)) continue;
+    SCOPED_TRACE(c.describe());
+    DeriveOptions so;
+    so.weights_on_dp0_only = true;
+    Layout A = derive_layout(c.model, c.a, so);
+    Layout B = derive_layout(c.model, c.b);
+    MemCheckpoint ma(A);
+    ma.fill_truth(A);
+    Plan p = make_plan(ma.as_source(A), B);
+    EXPECT_EQ(p.change, "no change");
+    // Every optimizer byte stays on its rank: only dp-replicated weights are fanned out.
+    for (const Fragment& f : p.fragments) {
+      const auto& arr = B.arrays[f.array];
+      // dp-replicated state (weights below ZeRO-3, all state under ZeRO-0) was saved once per
+      // dp group and is fanned out; everything else stays on its rank.
+      if ((arr.state == StateKind::kWeight && c.a.zero != 3) || c.a.zero == 0) continue;
+      for (uint32_t k = 0; k < f.num_deliveries; ++k)
+        ASSERT_EQ(p.deliveries[f.first_delivery + k].rank, f.reader) << arr.key();
+    }
+    // Without dedup every rank reads its own bytes: no exchange at all.
+    PlanOptions nd;
+    nd.dedup = false;
+    Plan q = make_plan(ma.as_source(A), B, nd);
+    EXPECT_EQ(q.bytes_to_exchange, 0u);
+    ++ran;
+  }
+  EXPECT_GE(ran, 200);
+}
+
+TEST(PlannerProperty, DpOnlyChangeIsIdentityForEveryValue) {
+  uint64_t seed = testing::test_seed("PlannerProperty.DpOnly");
+  std::mt19937_64 rng(seed);
+  int ran = 0;
+  for (int attempt = 0; attempt < 20000 && ran < 300; ++attempt) {
+    Case c{random_model(rng), random_topo(rng), {}};
+    c.b = c.a;
+    c.b.dp = 1 + int(rng() % 5);
+    if (!fits(c.model, c.a) || !fits(c.model, c.b)) continue;
+    run_case(c, PlanOptions{}, true);
+    if (::testing::Test::HasFailure()) return;
+    ++ran;
+  }
+  EXPECT_GE(ran, 300);
+}
+
+TEST(PlannerProperty, PlansAreDeterministic) {
+  uint64_t seed = testing::test_seed("PlannerProperty.Deterministic");
+  std::mt19937_64 rng(seed);
+  int ran = 0;
+  for (int attempt = 0; attempt < 5000 && ran < 100; ++attempt) {
+    Case c{random_model(rng), random_topo(rng), random_topo(rng)};
+    if (!fits(c.model, c.a) || !fits(c.model, c.b)) continue;
+    DeriveOptions so;
+    so.weights_on_dp0_only = true;
+    Layout A = derive_layout(c.model, c.a, so);
+    Layout B = derive_layout(c.model, c.b);
+    MemCheckpoint ma(A);
+    SourceLayout s = ma.as_source(A);
+    Plan p1 = make_plan(s, B), p2 = make_plan(s, B);
+    ASSERT_EQ(p1.hash(), p2.hash()) << c.describe();
+    ASSERT_EQ(p1.fragments.size(), p2.fragments.size());
+    ++ran;
+  }
+}
+
+TEST(PlannerProperty, MemoryBudgetBoundsEveryWave) {
+  ModelConfig m;
+  m.name = "budget";
+  m.num_layers = 2;
+  m.hidden = 128;
+  m.heads = 8;
+  m.ffn = 512;
+  m.vocab = 1000;
+  m.vocab_divisible_by = 8;
+  Topology a = Topology::parse("tp=2,dp=2,zero=1"), b = Topology::parse("tp=1,dp=3,zero=1");
+  for (uint64_t budget : {kMinMemoryBudget, uint64_t(256 * 1024), uint64_t(4 << 20)}) {
+    PlanOptions opt;
+    opt.memory_budget = budget;
+    run_case({m, a, b}, opt, false);
+    DeriveOptions so;
+    so.weights_on_dp0_only = true;
+    Layout A = derive_layout(m, a, so);
+    MemCheckpoint ma(A);
+    Plan p = make_plan(ma.as_source(A), derive_layout(m, b), opt);
+    EXPECT_LE(p.peak_staging_bytes_per_rank, budget);
+    if (budget < (1u << 20)) EXPECT_GT(p.num_waves, 1);
+  }
+  PlanOptions tiny;
+  tiny.memory_budget = 1000;
+  DeriveOptions so;
+  so.weights_on_dp0_only = true;
+  Layout A = derive_layout(m, a, so);
+  MemCheckpoint ma(A);
+  try {
+    make_plan(ma.as_source(A), derive_layout(m, b), tiny);
+    FAIL() << "a 1000-byte budget must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("memory budget 1000 bytes"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace reshard
