@@ -1,0 +1,136 @@
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "exec/executor.h"
+#include "reshard/error.h"
+#include "reshard/reshard.h"
+
+namespace reshard {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
+Plan plan_load(const CheckpointReader& ckpt, const Layout& target, const PlanOptions& options, double* plan_seconds) {
+  auto t0 = Clock::now();
+  Plan p = make_plan(ckpt.source(), target, options);
+  if (plan_seconds) *plan_seconds = since(t0);
+  return p;
+}
+
+std::string plan_summary_json(const Plan& p, double plan_seconds) {
+  nlohmann::json j;
+  j["change"] = p.change;
+  j["source_layout"] = p.source_topo.to_string();
+  j["target_layout"] = p.target_topo.to_string();
+  j["source_world_size"] = p.source_topo.world_size();
+  j["target_world_size"] = p.target_topo.world_size();
+  j["bytes_to_read"] = p.bytes_to_read;
+  j["bytes_needed"] = p.bytes_needed;
+  j["bytes_to_exchange"] = p.bytes_to_exchange;
+  j["target_bytes"] = p.target_bytes;
+  j["peak_staging_bytes_per_rank"] = p.peak_staging_bytes_per_rank;
+  j["read_amplification"] = p.bytes_needed ? double(p.bytes_to_read) / double(p.bytes_needed) : 1.0;
+  j["num_waves"] = p.num_waves;
+  j["num_fragments"] = p.fragments.size();
+  j["num_replica_compares"] = p.replica_compares.size();
+  j["plan_seconds"] = plan_seconds;
+  j["notes"] = p.notes;
+  return j.dump(2);
+}
+
+LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::vector<void*>& buffers,
+                Communicator& comm, const LoadOptions& options) {
+  auto t0 = Clock::now();
+  LoadReport r;
+  const SourceLayout& src = ckpt.source();
+  if (target.topo.world_size() != comm.size())
+    fail(ErrorCode::kInvalidArgument, "[rank ", comm.rank(), "/", comm.size(), "] target layout ", target.topo.to_string(),
+         " has world size ", target.topo.world_size(), " but the job has ", comm.size(), " ranks");
+  // Every rank plans the whole job from the same inputs, so a planning error is raised on every
+  // rank alike before anything is read; the executor then checks that the plans agree.
+  Plan plan = plan_load(ckpt, target, options.plan, &r.plan_seconds);
+  ExecOptions eo;
+  eo.io_threads = options.io_threads;
+  eo.replica_policy = options.plan.replica_policy;
+  eo.replica_atol = options.plan.replica_atol;
+  if (options.verify == "off") eo.verify = VerifyMode::kOff;
+  else if (options.verify == "free") eo.verify = VerifyMode::kFree;
+  else fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off or free");
+  if (options.plan.replica_policy == ReplicaPolicy::kAverage)
+    fail(ErrorCode::kUnsupported, "replica policy 'average' is not implemented for loads yet; use 'error' or 'first'");
+  ExecStats st = execute_plan(plan, target, ckpt, buffers, comm, eo);
+
+  r.change = plan.change;
+  r.source_layout = src.layout.topo.to_string();
+  r.target_layout = target.topo.to_string();
+  r.writer = ckpt.writer();
+  r.path = ckpt.path();
+  r.bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_read)));
+  r.bytes_exchanged = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_sent)));
+  r.verify_bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.verify_bytes_read)));
+  r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
+  r.peak_staging_bytes = uint64_t(comm.all_reduce_max(int64_t(st.peak_staging_bytes)));
+  r.bytes_needed = plan.bytes_needed;
+  r.target_bytes = plan.target_bytes;
+  r.waves = plan.num_waves;
+  r.policies = plan.notes;
+  r.policies.push_back(std::string("replica policy: ") + replica_policy_name(options.plan.replica_policy));
+  r.replica_report = st.replica_report;
+  for (const auto& s : ckpt.notes()) r.policies.push_back(s);
+  r.state = ckpt.state();
+  if (!(src.layout.topo == target.topo)) {
+    if (!r.state.per_rank.empty())
+      r.not_carried.push_back("per-rank state (RNG, sampler) of " + std::to_string(r.state.per_rank.size()) +
+                              " source ranks: the layout changed (" + plan.change +
+                              "), so per-rank streams cannot be matched to new ranks; reseed deterministically");
+    r.state.per_rank.clear();
+  }
+  double secs = since(t0);
+  r.seconds = double(comm.all_reduce_max(int64_t(secs * 1e6))) / 1e6;
+  r.gbps = r.seconds > 0 ? double(r.target_bytes) / r.seconds / 1e9 : 0;
+  return r;
+}
+
+std::string LoadReport::to_json() const {
+  nlohmann::json j;
+  j["change"] = change;
+  j["source_layout"] = source_layout;
+  j["target_layout"] = target_layout;
+  j["writer"] = writer;
+  j["path"] = path;
+  j["bytes_read"] = bytes_read;
+  j["bytes_needed"] = bytes_needed;
+  j["bytes_exchanged"] = bytes_exchanged;
+  j["verify_bytes_read"] = verify_bytes_read;
+  j["target_bytes"] = target_bytes;
+  j["checksums_verified"] = checksums_verified;
+  j["plan_seconds"] = plan_seconds;
+  j["seconds"] = seconds;
+  j["gbps"] = gbps;
+  j["waves"] = waves;
+  j["peak_staging_bytes"] = peak_staging_bytes;
+  j["policies"] = policies;
+  j["not_carried"] = not_carried;
+  j["replica_report"] = replica_report;
+  j["iteration"] = state.iteration;
+  j["step"] = state.step;
+  j["consumed_samples"] = state.consumed_samples;
+  return j.dump(2);
+}
+
+std::string LoadReport::to_text() const {
+  std::ostringstream os;
+  os << "reshard: " << source_layout << " -> " << target_layout << " (" << change << "), writer " << writer << "\n";
+  os << "  read " << bytes_read / 1e9 << " GB (needed " << bytes_needed / 1e9 << " GB), exchanged "
+     << bytes_exchanged / 1e9 << " GB, wrote " << target_bytes / 1e9 << " GB in " << seconds << " s ("
+     << gbps << " GB/s), plan " << plan_seconds << " s, " << waves << " wave(s)\n";
+  for (const auto& p : policies) os << "  policy: " << p << "\n";
+  for (const auto& n : not_carried) os << "  not carried over: " << n << "\n";
+  for (const auto& n : replica_report) os << "  replicas differ: " << n << "\n";
+  return os.str();
+}
+
+}  // namespace reshard

@@ -1,0 +1,8 @@
+#include "cli/commands.h"
+
+namespace reshard::cli {
+
+// Not implemented yet: an empty Command is not registered.
+Command convert_command() { return {}; }
+
+}  // namespace reshard::cli

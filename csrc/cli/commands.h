@@ -1,0 +1,32 @@
+// CLI subcommands. Each subcommand lives in its own cmd_*.cc and registers itself in
+// all_commands() (commands.cc). A command's options live in a struct captured by its callbacks.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace reshard::cli {
+
+struct Command {
+  std::function<CLI::App*(CLI::App&)> add;  // registers the subcommand and its options
+  std::function<int()> run;                 // runs it after parsing; returns the exit code
+};
+
+Command plan_command();
+Command inspect_command();
+Command verify_command();
+Command convert_command();
+Command synth_command();
+Command diff_command();
+Command bench_command();
+
+std::vector<Command> all_commands();
+
+/// Resolves a --model argument: a path, or a name under configs/models/ ("tiny-gpt").
+std::string resolve_model_path(const std::string& model);
+
+}  // namespace reshard::cli

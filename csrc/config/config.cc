@@ -1,0 +1,158 @@
+#include "reshard/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "reshard/error.h"
+
+namespace reshard {
+namespace {
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(ErrorCode::kNotFound, "cannot open config file ", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+YAML::Node parse_yaml(const std::string& text, const std::string& origin) {
+  try {
+    YAML::Node n = YAML::Load(text);
+    if (!n.IsMap()) fail(ErrorCode::kInvalidArgument, origin, ": expected a YAML mapping at the top level");
+    return n;
+  } catch (const YAML::Exception& e) {
+    fail(ErrorCode::kInvalidArgument, origin, ": invalid YAML at line ", e.mark.line + 1, ": ", e.msg);
+  }
+}
+
+template <typename T>
+T get(const YAML::Node& n, const std::string& key, const std::string& origin, T dflt) {
+  const YAML::Node v = n[key];
+  if (!v) return dflt;
+  try {
+    return v.as<T>();
+  } catch (const YAML::Exception&) {
+    fail(ErrorCode::kInvalidArgument, origin, ": field ", key, ": cannot read '", YAML::Dump(v), "' as the expected type");
+  }
+}
+
+void check_keys(const YAML::Node& n, const std::set<std::string>& known, const std::string& origin,
+                const std::string& where) {
+  for (auto it = n.begin(); it != n.end(); ++it) {
+    std::string k = it->first.as<std::string>();
+    if (!known.count(k)) {
+      std::string list;
+      for (const auto& x : known) list += (list.empty() ? "" : ", ") + x;
+      fail(ErrorCode::kInvalidArgument, origin, ": unknown field '", where, k, "' (known: ", list, ")");
+    }
+  }
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(const std::string& text, const std::string& origin) {
+  YAML::Node n = parse_yaml(text, origin);
+  check_keys(n,
+             {"name", "num_layers", "hidden", "ffn", "heads", "query_groups", "vocab", "vocab_divisible_by",
+              "max_position_embeddings", "swiglu", "tied_embeddings", "bias", "norm", "param_dtype", "optimizer",
+              "qkv_version", "tp_gt_groups", "rules"},
+             origin, "");
+  ModelConfig m;
+  m.name = get<std::string>(n, "name", origin, origin);
+  m.num_layers = get<int>(n, "num_layers", origin, 0);
+  m.hidden = get<int>(n, "hidden", origin, 0);
+  m.ffn = get<int>(n, "ffn", origin, 4 * m.hidden);
+  m.heads = get<int>(n, "heads", origin, 0);
+  m.query_groups = get<int>(n, "query_groups", origin, 0);
+  m.vocab = get<int64_t>(n, "vocab", origin, 0);
+  m.vocab_divisible_by = get<int>(n, "vocab_divisible_by", origin, 128);
+  m.max_position_embeddings = get<int>(n, "max_position_embeddings", origin, 0);
+  m.swiglu = get<bool>(n, "swiglu", origin, false);
+  m.tied_embeddings = get<bool>(n, "tied_embeddings", origin, false);
+  m.bias = get<bool>(n, "bias", origin, true);
+  m.norm = get<std::string>(n, "norm", origin, "layernorm");
+  try {
+    m.param_dtype = dtype_from_name(get<std::string>(n, "param_dtype", origin, "bf16"));
+  } catch (const Error& e) {
+    fail(ErrorCode::kInvalidArgument, origin, ": field param_dtype: ", e.what());
+  }
+  m.optimizer = get<std::string>(n, "optimizer", origin, "adam");
+  if (m.optimizer != "adam" && m.optimizer != "adamw")
+    fail(ErrorCode::kInvalidArgument, origin, ": field optimizer='", m.optimizer, "': only adam/adamw (fp32 master + moments) is supported");
+  m.qkv_version = get<double>(n, "qkv_version", origin, 3.0);
+  try {
+    m.tp_gt_groups = qkv_variant_from_name(get<std::string>(n, "tp_gt_groups", origin, "refuse"));
+  } catch (const Error& e) {
+    fail(ErrorCode::kInvalidArgument, origin, ": field tp_gt_groups: ", e.what());
+  }
+  if (const YAML::Node rules = n["rules"]) {
+    if (!rules.IsSequence()) fail(ErrorCode::kInvalidArgument, origin, ": field rules must be a list");
+    for (size_t i = 0; i < rules.size(); ++i) {
+      const YAML::Node r = rules[i];
+      std::string where = "rules[" + std::to_string(i) + "].";
+      check_keys(r, {"pattern", "split", "reduction"}, origin, where);
+      LayoutRule lr;
+      lr.pattern = get<std::string>(r, "pattern", origin, "");
+      if (lr.pattern.empty()) fail(ErrorCode::kInvalidArgument, origin, ": field ", where, "pattern is missing");
+      try {
+        lr.split = split_from_name(get<std::string>(r, "split", origin, "replicated"));
+      } catch (const Error& e) {
+        fail(ErrorCode::kInvalidArgument, origin, ": field ", where, "split: ", e.what());
+      }
+      std::string red = get<std::string>(r, "reduction", origin, "replicated");
+      if (red == "replicated") lr.reduction = Reduction::kReplicated;
+      else if (red == "partial_sum") lr.reduction = Reduction::kPartialSum;
+      else fail(ErrorCode::kInvalidArgument, origin, ": field ", where, "reduction='", red, "' must be replicated or partial_sum");
+      m.rules.push_back(lr);
+    }
+  }
+  try {
+    m.validate();
+  } catch (const Error& e) {
+    fail(ErrorCode::kInvalidArgument, origin, ": ", e.what());
+  }
+  return m;
+}
+
+ModelConfig load_model_config(const std::string& path) { return parse_model_config(read_text(path), path); }
+
+ResumeConfig load_resume_config(const std::string& path) {
+  YAML::Node n = parse_yaml(read_text(path), path);
+  check_keys(n, {"checkpoint", "model", "target", "policies"}, path, "");
+  ResumeConfig rc;
+  if (const YAML::Node c = n["checkpoint"]) {
+    check_keys(c, {"root", "step"}, path, "checkpoint.");
+    rc.checkpoint = get<std::string>(c, "root", path, "");
+    rc.step = get<std::string>(c, "step", path, "");
+  }
+  if (rc.checkpoint.empty()) fail(ErrorCode::kInvalidArgument, path, ": field checkpoint.root is missing");
+  rc.model = get<std::string>(n, "model", path, "");
+  try {
+    rc.target = Topology::parse(get<std::string>(n, "target", path, ""));
+  } catch (const Error& e) {
+    fail(ErrorCode::kInvalidArgument, path, ": field target: ", e.what());
+  }
+  if (const YAML::Node p = n["policies"]) {
+    check_keys(p, {"replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes",
+                   "memory_budget_gib", "dedup"}, path, "policies.");
+    try {
+      rc.plan.replica_policy = replica_policy_from_name(get<std::string>(p, "replicas", path, "error"));
+    } catch (const Error& e) {
+      fail(ErrorCode::kInvalidArgument, path, ": field policies.replicas: ", e.what());
+    }
+    rc.plan.replica_atol = get<double>(p, "replica_atol", path, 0.0);
+    if (rc.plan.replica_atol < 0) fail(ErrorCode::kInvalidArgument, path, ": field policies.replica_atol must be >= 0");
+    rc.plan.strict_missing = get<bool>(p, "strict_missing", path, true);
+    rc.plan.strict_unexpected = get<bool>(p, "strict_unexpected", path, true);
+    if (p["memory_budget_gib"]) rc.plan.memory_budget = uint64_t(get<double>(p, "memory_budget_gib", path, 1.0) * double(1ull << 30));
+    rc.plan.memory_budget = get<uint64_t>(p, "memory_budget_bytes", path, rc.plan.memory_budget);
+    rc.plan.dedup = get<bool>(p, "dedup", path, true);
+  }
+  return rc;
+}
+
+}  // namespace reshard

@@ -1,0 +1,312 @@
+#include "exec/executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "reshard/error.h"
+#include "reshard/simulate.h"
+#include "reshard/strided.h"
+
+namespace reshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string prefix(const Communicator& c) {
+  return "[rank " + std::to_string(c.rank()) + "/" + std::to_string(c.size()) + "] ";
+}
+
+// Gathers one status string per rank; throws on every rank if any is non-empty.
+void agree_or_throw(Communicator& comm, const std::string& mine, ErrorCode code, const std::string& what,
+                    bool live_written) {
+  std::vector<std::string> all = comm.all_gather_strings(mine);
+  std::string msg;
+  int nbad = 0;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    if (nbad++ < 8) msg += (msg.empty() ? "" : "; ") + all[r];
+  }
+  if (nbad == 0) return;
+  if (nbad > 8) msg += "; ... (" + std::to_string(nbad) + " ranks reported problems)";
+  if (live_written)
+    fail(ErrorCode::kFailedPrecondition, what, " failed after live tensors were partly written; the live state is "
+         "unusable and the trainer must abort: ", msg);
+  fail(code, what, " failed before any live tensor was written: ", msg);
+}
+
+// Runs fn(i) for i in [0, n) on up to `threads` threads; returns the first error message.
+template <typename Fn>
+std::string parallel_for(size_t n, int threads, Fn fn) {
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  std::string first_error;
+  auto worker = [&] {
+    while (true) {
+      size_t i = next.fetch_add(1);
+      if (i >= n) return;
+      try {
+        fn(i);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> g(mu);
+        if (first_error.empty()) first_error = e.what();
+        next = n;
+      }
+    }
+  };
+  int t = std::max(1, std::min<int>(threads, int(n)));
+  if (t == 1) {
+    worker();
+  } else {
+    std::vector<std::thread> pool;
+    for (int k = 0; k < t; ++k) pool.emplace_back(worker);
+    for (auto& th : pool) th.join();
+  }
+  return first_error;
+}
+
+}  // namespace
+
+ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointReader& source,
+                       const std::vector<void*>& buffers, Communicator& comm, const ExecOptions& opt) {
+  const auto t0 = Clock::now();
+  ExecStats st;
+  const int me = comm.rank();
+  const int W = comm.size();
+  if (W != plan.world_size)
+    fail(ErrorCode::kInvalidArgument, prefix(comm), "the plan is for ", plan.world_size, " ranks but the job has ", W);
+  RESHARD_CHECK(buffers.size() == target.buffers.size(), "one pointer slot per target buffer");
+  const SourceLayout& src = source.source();
+  ReadFn read = [&](int32_t file, uint64_t off, uint64_t len, void* dst) { source.read(file, off, len, dst); };
+
+  // 1. Same plan everywhere.
+  {
+    std::string h = std::to_string(plan.hash());
+    auto all = comm.all_gather_strings(h);
+    for (int r = 0; r < W; ++r)
+      if (all[r] != h)
+        fail(ErrorCode::kInternal, prefix(comm), "plan hash differs between ranks (rank ", r, " has ", all[r],
+             ", this rank ", h, "): ranks were given different inputs");
+  }
+
+  // 2. Pre-flight: files this rank reads, its buffers, then replica comparisons.
+  {
+    std::ostringstream problems;
+    std::vector<uint64_t> need_end(src.files.size(), 0);
+    auto note_range = [&](int32_t file, uint64_t base, DType dt, const Box& box, const std::array<int64_t, kMaxDims>& strides) {
+      Box rel = box;
+      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      for_each_run(rel, strides, [&](int64_t off, int64_t cnt, int64_t) {
+        need_end[file] = std::max(need_end[file], base + uint64_t(off + cnt) * dtype_size(dt));
+      });
+    };
+    for (const Fragment& f : plan.fragments)
+      if (f.reader == me) note_range(f.file, f.byte_base, f.src_dtype, f.box, f.src_strides);
+    for (const auto& c : plan.replica_compares)
+      if (c.checker == me) {
+        note_range(c.authoritative.file, c.authoritative.byte_base, c.authoritative.dtype, c.box, c.authoritative.strides);
+        note_range(c.replica.file, c.replica.byte_base, c.replica.dtype, c.box, c.replica.strides);
+      }
+    int nprob = 0;
+    for (size_t f = 0; f < need_end.size(); ++f) {
+      if (need_end[f] == 0) continue;
+      try {
+        uint64_t size = source.file_size(int32_t(f));
+        if (size < need_end[f]) {
+          if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << "file " << src.files[f] << " has " << size
+                                    << " bytes but the plan reads up to byte " << need_end[f] << " (truncated?)";
+        }
+      } catch (const Error& e) {
+        if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << e.what();
+      }
+    }
+    for (size_t b = 0; b < target.buffers.size(); ++b)
+      if (target.buffers[b].rank == me && buffers[b] == nullptr && target.buffers[b].numel > 0)
+        if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << "no memory given for target buffer " << target.buffers[b].name;
+    std::string mine = nprob ? prefix(comm) + problems.str() : "";
+    agree_or_throw(comm, mine, ErrorCode::kDataLoss, "pre-flight check", false);
+
+    // Replica comparisons (before any write).
+    std::ostringstream diffs;
+    std::string err;
+    int ndiff = 0;
+    for (const auto& c : plan.replica_compares) {
+      if (c.checker != me) continue;
+      try {
+        double m = replica_max_abs_diff(c, read);
+        st.verify_bytes_read += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
+        if (m > opt.replica_atol) {
+          if (ndiff++ < 6) diffs << (ndiff > 1 ? "; " : "") << c.tensor << " (" << state_kind_name(c.state) << ") "
+                                 << c.box.to_string() << " in " << src.files[c.replica.file] << ": max |diff| " << m;
+        }
+      } catch (const Error& e) {
+        if (err.empty()) err = prefix(comm) + e.what();
+      }
+    }
+    agree_or_throw(comm, err, ErrorCode::kDataLoss, "replica comparison", false);
+    std::string dmsg = ndiff ? prefix(comm) + diffs.str() : "";
+    if (opt.replica_policy == ReplicaPolicy::kError) {
+      std::vector<std::string> all = comm.all_gather_strings(dmsg);
+      std::string msg;
+      for (const auto& s : all)
+        if (!s.empty()) msg += (msg.empty() ? "" : "; ") + s;
+      if (!msg.empty())
+        fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
+             " (replica policy 'error', atol ", opt.replica_atol,
+             "; choose 'first' or 'average' to load anyway); no live tensor was written");
+    } else {
+      for (const auto& s : comm.all_gather_strings(dmsg))
+        if (!s.empty()) st.replica_report.push_back(s);
+    }
+  }
+
+  // 3. Waves. Fragments are sorted by wave; find each wave's range once.
+  std::vector<size_t> wave_begin(plan.num_waves + 1, plan.fragments.size());
+  for (size_t i = plan.fragments.size(); i-- > 0;) wave_begin[plan.fragments[i].wave] = i;
+  for (int w = plan.num_waves - 1; w >= 0; --w) wave_begin[w] = std::min(wave_begin[w], wave_begin[w + 1]);
+
+  std::vector<uint8_t> staging, sendbuf, recvbuf;
+  bool written = false;
+  for (int w = 0; w < plan.num_waves; ++w) {
+    const size_t lo = wave_begin[w], hi = wave_begin[w + 1];
+    // Layout of this rank's staging (fragments it reads) and send/recv buffers (per peer, in
+    // fragment order; a fragment goes once to each remote rank it has deliveries for).
+    std::vector<size_t> mine;
+    std::vector<uint64_t> stage_off;
+    uint64_t stage_bytes = 0;
+    std::vector<uint64_t> send_counts(W, 0), recv_counts(W, 0);
+    for (size_t i = lo; i < hi; ++i) {
+      const Fragment& f = plan.fragments[i];
+      int32_t last = -1;
+      for (uint32_t k = 0; k < f.num_deliveries; ++k) {
+        int32_t r = plan.deliveries[f.first_delivery + k].rank;
+        if (r == last) continue;
+        last = r;
+        if (f.reader == me && r != me) send_counts[r] += f.bytes();
+        if (r == me && f.reader != me) recv_counts[f.reader] += f.bytes();
+      }
+      if (f.reader == me) {
+        mine.push_back(i);
+        stage_off.push_back(stage_bytes);
+        stage_bytes += f.bytes();
+      }
+    }
+    staging.resize(stage_bytes);
+    // Read.
+    auto tr = Clock::now();
+    std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
+      const Fragment& f = plan.fragments[mine[k]];
+      Box rel = f.box;
+      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      read_box(f.file, f.byte_base, f.src_dtype, rel, f.src_strides, read, staging.data() + stage_off[k]);
+    });
+    st.read_seconds += seconds_since(tr);
+    st.bytes_read += stage_bytes;
+    if (err.empty() && opt.verify != VerifyMode::kOff) {
+      for (size_t k = 0; k < mine.size() && err.empty(); ++k) {
+        const Fragment& f = plan.fragments[mine[k]];
+        uint64_t n = f.bytes();
+        // A fragment stored contiguously can be checked against a stored piece checksum.
+        bool contiguous = true;
+        int64_t expect = 1;
+        for (int d = f.box.ndim - 1; d >= 0; --d) {
+          if (f.box.len[d] != 1 && f.src_strides[d] != expect) contiguous = false;
+          expect *= f.box.len[d];
+        }
+        if (!contiguous) continue;
+        std::string bad = source.verify_range(f.file, f.byte_base, n, staging.data() + stage_off[k]);
+        if (!bad.empty()) err = bad;
+        else ++st.checksums_verified;
+      }
+    }
+    agree_or_throw(comm, err.empty() ? "" : prefix(comm) + err, ErrorCode::kDataLoss,
+                   "reading wave " + std::to_string(w), written);
+    // Pack sends, scatter local deliveries.
+    auto tx = Clock::now();
+    std::vector<uint64_t> send_displs(W, 0), recv_displs(W, 0);
+    uint64_t total_send = 0, total_recv = 0;
+    for (int r = 0; r < W; ++r) {
+      send_displs[r] = total_send;
+      total_send += send_counts[r];
+      recv_displs[r] = total_recv;
+      total_recv += recv_counts[r];
+    }
+    sendbuf.resize(total_send);
+    recvbuf.resize(total_recv);
+    std::vector<uint64_t> send_at = send_displs;
+    try {
+      for (size_t k = 0; k < mine.size(); ++k) {
+        const Fragment& f = plan.fragments[mine[k]];
+        const uint8_t* packed = staging.data() + stage_off[k];
+        Box rel = f.box;
+        for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+        int32_t last = -1;
+        for (uint32_t j = 0; j < f.num_deliveries; ++j) {
+          const Delivery& dv = plan.deliveries[f.first_delivery + j];
+          if (dv.rank == me) {
+            const Buffer& b = target.buffers[dv.buffer];
+            unpack_box(packed, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
+                       b.dtype, rel, dv.strides);
+            written = true;
+          } else if (dv.rank != last) {
+            std::memcpy(sendbuf.data() + send_at[dv.rank], packed, f.bytes());
+            send_at[dv.rank] += f.bytes();
+          }
+          if (dv.rank != me) last = dv.rank;
+        }
+      }
+    } catch (const Error& e) {
+      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
+           "state is unusable and the trainer must abort: ", e.what());
+    }
+    comm.all_to_all_v(sendbuf.data(), send_counts, send_displs, recvbuf.data(), recv_counts, recv_displs);
+    st.exchange_seconds += seconds_since(tx);
+    for (int r = 0; r < W; ++r) {
+      st.bytes_sent += send_counts[r];
+      st.bytes_received += recv_counts[r];
+    }
+    // Scatter received fragments (same order as the sender packed them).
+    auto ts = Clock::now();
+    std::vector<uint64_t> recv_at = recv_displs;
+    for (size_t i = lo; i < hi; ++i) {
+      const Fragment& f = plan.fragments[i];
+      if (f.reader == me) continue;
+      bool for_me = false;
+      for (uint32_t j = 0; j < f.num_deliveries; ++j) for_me |= plan.deliveries[f.first_delivery + j].rank == me;
+      if (!for_me) continue;
+      const uint8_t* packed = recvbuf.data() + recv_at[f.reader];
+      recv_at[f.reader] += f.bytes();
+      Box rel = f.box;
+      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      for (uint32_t j = 0; j < f.num_deliveries; ++j) {
+        const Delivery& dv = plan.deliveries[f.first_delivery + j];
+        if (dv.rank != me) continue;
+        const Buffer& b = target.buffers[dv.buffer];
+        unpack_box(packed, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
+                   b.dtype, rel, dv.strides);
+        written = true;
+      }
+    }
+    st.scatter_seconds += seconds_since(ts);
+    st.peak_staging_bytes = std::max<uint64_t>(st.peak_staging_bytes, stage_bytes + total_send + total_recv);
+  }
+
+  // 4. Fills.
+  for (const Fill& f : plan.fills) {
+    if (f.rank != me) continue;
+    const Buffer& b = target.buffers[f.buffer];
+    Box rel = f.extent;
+    for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+    fill_zero_box(static_cast<uint8_t*>(buffers[f.buffer]) + f.base * int64_t(dtype_size(b.dtype)), b.dtype, rel, f.strides);
+  }
+  comm.barrier();
+  st.total_seconds = seconds_since(t0);
+  return st;
+}
+
+}  // namespace reshard

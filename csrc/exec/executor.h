@@ -1,0 +1,53 @@
+// The distributed executor: runs this rank's part of a plan. Collective over `comm`.
+//
+// Order of work (DESIGN.md "Pre-flight", "Execute"):
+//  1. ranks agree on the plan hash;
+//  2. pre-flight: every rank checks the files it will read (existence, size); replica
+//     comparisons assigned to this rank run; the outcome is all-gathered, so a missing file or a
+//     replica divergence fails on every rank, by name, before any target byte is written;
+//  3. waves: read (thread pool of positioned reads into staging) -> status all-gathered ->
+//     local scatter + all-to-all-v of packed fragments -> scatter of received fragments;
+//  4. zero fills (vocab padding rows only the target has, flat-partition padding).
+// A failure after the first write raises Error(kFailedPrecondition) saying the live state is
+// unusable and the trainer must not continue.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "reshard/checkpoint.h"
+#include "reshard/comm.h"
+#include "reshard/plan.h"
+
+namespace reshard {
+
+enum class VerifyMode : uint8_t {
+  kOff,   // no checksum checks during load
+  kFree,  // check stored checksums of fragments that are exactly one stored piece (no extra reads)
+  kFull,  // additionally read every source piece a fragment cuts, to check its checksum (counted apart)
+};
+
+struct ExecOptions {
+  int io_threads = 4;
+  ReplicaPolicy replica_policy = ReplicaPolicy::kError;
+  double replica_atol = 0.0;
+  VerifyMode verify = VerifyMode::kFree;
+};
+
+struct ExecStats {
+  uint64_t bytes_read = 0;         // this rank, load reads
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t verify_bytes_read = 0;  // replica comparison reads
+  uint64_t checksums_verified = 0; // fragments whose stored checksum was checked
+  uint64_t peak_staging_bytes = 0;
+  double read_seconds = 0, exchange_seconds = 0, scatter_seconds = 0, total_seconds = 0;
+  std::vector<std::string> replica_report;  // "tensor (state): max |diff| x" for differing replicas
+};
+
+/// Executes this rank's part of `plan`. `buffers[i]` points at target layout buffer i when that
+/// buffer belongs to comm.rank(), else nullptr. Errors: see the header comment.
+ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointReader& source,
+                       const std::vector<void*>& buffers, Communicator& comm, const ExecOptions& options = {});
+
+}  // namespace reshard

@@ -1,0 +1,69 @@
+// Reading checkpoints: one interface over every format (native, DeepSpeed), and the non-tensor
+// state that travels with the tensors.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "reshard/plan.h"
+
+namespace reshard {
+
+/// State that is not a tensor. Global values must agree across all files (readers check this and
+/// raise Error(kDataLoss) naming the files that disagree).
+struct NonTensorState {
+  int64_t iteration = -1;          // training iteration (-1: unknown)
+  int64_t consumed_samples = -1;   // samples consumed (-1: unknown)
+  int64_t step = -1;               // optimizer step (Adam bias correction); never incremented on load
+  std::string json = "{}";         // loss scaler, LR scheduler, args, ...: one JSON object
+  /// Per-rank opaque blobs (RNG state, sampler state) keyed by the source rank. They carry over
+  /// only when the layout is identical (DESIGN.md; failures.md B19).
+  std::map<int, std::string> per_rank;
+};
+
+/// A checkpoint opened for reading. Reads are positioned and thread-safe.
+class CheckpointReader {
+ public:
+  virtual ~CheckpointReader() = default;
+  /// "native", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3", "deepspeed-bf16", ...
+  virtual std::string writer() const = 0;
+  /// The step folder actually opened (after resolving `latest` or a step name).
+  virtual std::string path() const = 0;
+  /// Layout, files and buffer locations. Missing files have location.file == -1.
+  virtual const SourceLayout& source() const = 0;
+  virtual const NonTensorState& state() const = 0;
+  /// Things worth a user's attention that are not errors (assumptions made, tensors inferred).
+  virtual std::vector<std::string> notes() const = 0;
+  /// Reads bytes of file `file` (index into source().files). Throws Error(kDataLoss) naming the
+  /// file and byte range on a short read, Error(kNotFound) when the file is missing.
+  virtual void read(int32_t file, uint64_t offset, uint64_t length, void* dst) const = 0;
+  /// Size in bytes of file `file`; throws Error(kNotFound) naming the path when it is missing.
+  /// Pre-flight uses it so that a missing or short file fails on every rank before any write.
+  virtual uint64_t file_size(int32_t file) const = 0;
+  /// Checks stored checksums of the pieces covering a file range, where the format has them.
+  /// Returns an empty string when fine, else a message naming file, tensor and byte range.
+  virtual std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const {
+    return {};
+  }
+};
+
+struct OpenOptions {
+  /// Step to open: "" = the one `latest` names; otherwise a step folder name ("global_step20",
+  /// "step-20") or number ("20"). A missing step is an error, never a fallback (B20).
+  std::string step;
+  /// Model description to use where the files do not record it (DeepSpeed: QKV meaning, SwiGLU,
+  /// tp > groups variant). Empty: native checkpoints carry their own; DeepSpeed ones need it or
+  /// an `args` Namespace the reader can interpret.
+  std::string model_path;
+};
+
+/// Opens a checkpoint root or step folder of any supported format. Errors (before anything is
+/// read beyond headers): Error(kNotFound) when the path does not exist, names no step, or the
+/// named step is missing; Error(kInvalidArgument) when the path is a file or an empty or
+/// unrecognised folder (each message names the path).
+std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path, const OpenOptions& options = {});
+
+}  // namespace reshard

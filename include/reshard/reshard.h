@@ -1,0 +1,65 @@
+// reshard's facade: what faces (CLI, Python, trainer integrations) call. It wires readers, the
+// planner and the executor; nothing below it knows its callers.
+//
+//   auto ckpt = reshard::open_checkpoint("/ckpt");               // any supported format
+//   reshard::Layout target = reshard::derive_layout(model, topo);  // or built from a live optimizer
+//   reshard::LoadReport r = reshard::load(*ckpt, target, my_buffers, comm);
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "reshard/checkpoint.h"
+#include "reshard/comm.h"
+#include "reshard/layout.h"
+#include "reshard/plan.h"
+
+namespace reshard {
+
+struct LoadOptions {
+  PlanOptions plan;
+  int io_threads = 4;
+  /// Checksum checks while loading: "off", "free" (fragments that are exactly a stored piece;
+  /// no extra reads), "full" is not implemented for loads (use `reshard verify`).
+  std::string verify = "free";
+};
+
+struct LoadReport {
+  std::string change;           // layout change in words ("tp 2->4, dp 4->2, ZeRO-1 partitions re-cut")
+  std::string source_layout, target_layout, writer, path;
+  uint64_t bytes_read = 0;        // all ranks, load reads
+  uint64_t bytes_needed = 0;      // distinct source bytes
+  uint64_t bytes_exchanged = 0;   // all ranks, sent to another rank
+  uint64_t verify_bytes_read = 0; // all ranks, replica comparison reads
+  uint64_t target_bytes = 0;      // bytes of live state written, all ranks
+  uint64_t checksums_verified = 0;
+  double plan_seconds = 0;        // planning (every rank plans the whole job)
+  double seconds = 0;             // wall time of the load, max over ranks, planning included
+  double gbps = 0;                // target_bytes / seconds / 1e9 (GB = 10^9 bytes)
+  int waves = 0;
+  uint64_t peak_staging_bytes = 0;  // max over ranks
+  std::vector<std::string> policies;     // policies applied and notes from the plan
+  std::vector<std::string> not_carried;  // state not carried over, and why
+  std::vector<std::string> replica_report;
+  NonTensorState state;  // per_rank blobs only when the layout is identical
+  std::string to_json() const;
+  std::string to_text() const;
+};
+
+/// Plans and executes a load into this rank's buffers of `target`. Collective over comm.
+/// `buffers[i]` points at target.buffers[i]'s memory when it belongs to comm.rank(), else null.
+/// Errors: those of make_plan (coverage, strictness, shapes, budget) raised on every rank before
+/// anything is read; pre-flight and replica errors before any write; kFailedPrecondition when a
+/// failure happens after live tensors were partly written.
+LoadReport load(const CheckpointReader& checkpoint, const Layout& target, const std::vector<void*>& buffers,
+                Communicator& comm, const LoadOptions& options = {});
+
+/// The dry run: plan only, touching no tensor data (headers only).
+Plan plan_load(const CheckpointReader& checkpoint, const Layout& target, const PlanOptions& options, double* plan_seconds);
+
+/// JSON summary of a plan, with at least source_world_size, target_world_size, bytes_to_read,
+/// bytes_to_exchange, bytes_needed, target_bytes, peak_staging_bytes_per_rank, num_waves,
+/// num_fragments, plan_seconds, change, notes.
+std::string plan_summary_json(const Plan& plan, double plan_seconds);
+
+}  // namespace reshard
