@@ -4,6 +4,7 @@
 #include <numeric>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "reshard/error.h"
 
@@ -400,24 +401,40 @@ std::vector<int> stages_of(const TensorSpec& t, const std::vector<int>& stage_of
 
 }  // namespace
 
-Layout derive_layout(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt) {
+LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt) {
   topo.validate();
   cfg.validate_for(topo.tp, topo.pp, topo.vpp);
-  Layout L;
-  L.topo = topo;
-  L.model = cfg;
-  L.tensors = model_tensors(cfg, topo.tp);
+  LayoutRecipe r;
+  r.tensors = model_tensors(cfg, topo.tp);
   std::vector<int> stage_of_layer = opt.stage_of_layer.empty()
                                         ? uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp)
                                         : opt.stage_of_layer;
   if (int(stage_of_layer.size()) != cfg.num_layers)
     fail(ErrorCode::kInvalidArgument, "stage_of_layer has ", stage_of_layer.size(), " entries for ", cfg.num_layers, " layers");
+  for (const auto& t : r.tensors) r.stages.push_back(stages_of(t, stage_of_layer, topo.pp));
+  return r;
+}
+
+Layout derive_layout(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt) {
+  return build_layout(cfg, topo, default_recipe(cfg, topo, opt), opt);
+}
+
+Layout build_layout(const ModelConfig& cfg, const Topology& topo, const LayoutRecipe& recipe, const DeriveOptions& opt) {
+  topo.validate();
+  Layout L;
+  L.topo = topo;
+  L.model = cfg;
+  L.tensors = recipe.tensors;
+  if (recipe.stages.size() != L.tensors.size())
+    fail(ErrorCode::kInvalidArgument, "layout recipe has ", recipe.stages.size(), " stage lists for ", L.tensors.size(), " tensors");
 
   const int nstates = opt.optimizer ? kNumStateKinds : 1;
   // arrays[t * nstates + s]
   std::vector<std::vector<TpShard>> shards(L.tensors.size());
+  std::unordered_map<std::string, size_t> tensor_index;
   for (size_t i = 0; i < L.tensors.size(); ++i) {
     const auto& spec = L.tensors[i];
+    tensor_index[spec.name] = i;
     for (int t = 0; t < topo.tp; ++t) shards[i].push_back(tp_shard(spec, cfg, topo.tp, t));
     for (int s = 0; s < nstates; ++s) {
       LogicalArray a;
@@ -435,7 +452,10 @@ Layout derive_layout(const ModelConfig& cfg, const Topology& topo, const DeriveO
   // Tensors per stage, in parameter order.
   std::vector<std::vector<size_t>> stage_tensors(topo.pp);
   for (size_t i = 0; i < L.tensors.size(); ++i)
-    for (int p : stages_of(L.tensors[i], stage_of_layer, topo.pp)) stage_tensors[p].push_back(i);
+    for (int p : recipe.stages[i]) {
+      if (p < 0 || p >= topo.pp) fail(ErrorCode::kInvalidArgument, "tensor ", L.tensors[i].name, " is placed on stage ", p, " but pp=", topo.pp);
+      stage_tensors[p].push_back(i);
+    }
 
   L.flat_groups.assign(size_t(topo.pp) * topo.tp, {});
   const StateKind opt_states[] = {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq};
@@ -443,35 +463,64 @@ Layout derive_layout(const ModelConfig& cfg, const Topology& topo, const DeriveO
 
   for (int p = 0; p < topo.pp; ++p) {
     for (int t = 0; t < topo.tp; ++t) {
-      // Param groups: Megatron's [weight decay, no weight decay], in parameter order.
-      std::vector<FlatGroup> groups(2);
-      groups[1].no_weight_decay = true;
-      std::vector<std::vector<size_t>> group_tensors(2);
-      for (size_t i : stage_tensors[p]) {
-        int g = L.tensors[i].no_weight_decay ? 1 : 0;
-        int64_t n = prod(shards[i][t].local_shape);
-        groups[g].entries.push_back({L.tensors[i].name, groups[g].numel, n});
-        groups[g].numel += n;
-        group_tensors[g].push_back(i);
-      }
-      if (topo.zero == 3) {  // per-parameter partitions: offsets in the per-rank buffer
-        for (auto& grp : groups) {
-          int64_t at = 0;
-          for (auto& e : grp.entries) {
-            int64_t part = (e.numel + dp - 1) / dp;
-            e.offset = at;
-            at += part;
+      std::vector<FlatGroup> groups;
+      std::vector<std::vector<size_t>> group_tensors;
+      const size_t slot = size_t(p) * topo.tp + t;
+      if (slot < recipe.groups.size() && !recipe.groups[slot].empty()) {
+        groups = recipe.groups[slot];
+        for (size_t g = 0; g < groups.size(); ++g) {
+          group_tensors.emplace_back();
+          int64_t end = 0;
+          for (const auto& e : groups[g].entries) {
+            auto it = tensor_index.find(e.tensor);
+            if (it == tensor_index.end())
+              fail(ErrorCode::kInvalidArgument, "param group ", g, " of (pp ", p, ", tp ", t, ") names tensor ", e.tensor, " that the layout does not have");
+            int64_t n = prod(shards[it->second][t].local_shape);
+            if (n != e.numel)
+              fail(ErrorCode::kInvalidArgument, "param group ", g, " of (pp ", p, ", tp ", t, "): tensor ", e.tensor, " has ", e.numel,
+                   " elements in the group but its tp shard has ", n);
+            group_tensors[g].push_back(it->second);
+            if (topo.zero == 3) end = std::max(end, e.offset + (e.numel + dp - 1) / dp);
+            else end = std::max(end, e.offset + e.numel);
           }
-          grp.partition_size = at;
+          if (topo.zero >= 1 && topo.zero <= 2 && groups[g].partition_size * dp < end)
+            fail(ErrorCode::kInvalidArgument, "param group ", g, " of (pp ", p, ", tp ", t, "): partition size ", groups[g].partition_size,
+                 " x dp ", dp, " < ", end, " elements");
+          if (topo.zero == 3 && groups[g].partition_size < end)
+            fail(ErrorCode::kInvalidArgument, "param group ", g, " of (pp ", p, ", tp ", t, "): partition size ", groups[g].partition_size,
+                 " < ", end, " elements");
         }
-      } else if (topo.zero >= 1) {
-        for (auto& grp : groups) {
-          int64_t align = int64_t(opt.align_factor) * dp;
-          int64_t padded = (grp.numel + align - 1) / align * align;
-          grp.partition_size = padded / dp;
+      } else {
+        // Param groups: Megatron's [weight decay, no weight decay], in parameter order.
+        groups.resize(2);
+        groups[1].no_weight_decay = true;
+        group_tensors.resize(2);
+        for (size_t i : stage_tensors[p]) {
+          int g = L.tensors[i].no_weight_decay ? 1 : 0;
+          int64_t n = prod(shards[i][t].local_shape);
+          groups[g].entries.push_back({L.tensors[i].name, groups[g].numel, n});
+          groups[g].numel += n;
+          group_tensors[g].push_back(i);
+        }
+        if (topo.zero == 3) {  // per-parameter partitions: offsets in the per-rank buffer
+          for (auto& grp : groups) {
+            int64_t at = 0;
+            for (auto& e : grp.entries) {
+              int64_t part = (e.numel + dp - 1) / dp;
+              e.offset = at;
+              at += part;
+            }
+            grp.partition_size = at;
+          }
+        } else if (topo.zero >= 1) {
+          for (auto& grp : groups) {
+            int64_t align = int64_t(opt.align_factor) * dp;
+            int64_t padded = (grp.numel + align - 1) / align * align;
+            grp.partition_size = padded / dp;
+          }
         }
       }
-      if (topo.zero >= 1) L.flat_groups[size_t(p) * topo.tp + t] = groups;
+      if (topo.zero >= 1) L.flat_groups[slot] = groups;
 
       for (int d = 0; d < dp; ++d) {
         const int rank = topo.rank_of(p, d, t);
@@ -512,10 +561,10 @@ Layout derive_layout(const ModelConfig& cfg, const Topology& topo, const DeriveO
             }
             continue;
           }
-          for (int g = 0; g < 2; ++g) {
+          for (size_t g = 0; g < groups.size(); ++g) {
             const FlatGroup& grp = groups[g];
             L.buffers.push_back({std::string(state_kind_name(st)) + "/group" + std::to_string(g), rank, DType::F32,
-                                 grp.partition_size, st, g});
+                                 grp.partition_size, st, int(g)});
             const int32_t buf = int32_t(L.buffers.size() - 1);
             for (size_t k = 0; k < grp.entries.size(); ++k) {
               size_t i = group_tensors[g][k];

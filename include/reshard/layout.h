@@ -123,6 +123,28 @@ struct TpShard {
 };
 TpShard tp_shard(const TensorSpec& spec, const ModelConfig& cfg, int tp, int tp_rank);
 
+/// Everything build_layout needs besides the model and topology: the tensors (classified, global
+/// shapes at this topology's tp), which pipeline stages hold each, and optionally the param
+/// groups of each (pp, tp) model shard as the optimizer built them (flat order, offsets, partition
+/// size). Readers build recipes from files; trainers from the live optimizer.
+struct LayoutRecipe {
+  std::vector<TensorSpec> tensors;
+  std::vector<std::vector<int>> stages;  // per tensor: stages that hold it (tied: {0, pp-1})
+  /// groups[pp_rank * tp + tp_rank]; an empty vector means "compute as derive_layout does".
+  /// Entries name tensors; ZeRO-1/2 offsets are in the unpadded flat buffer (gaps allowed), ZeRO-3
+  /// offsets are positions in each rank's per-parameter partition buffer.
+  std::vector<std::vector<FlatGroup>> groups;
+};
+
+/// The recipe derive_layout uses: model_tensors + uniform stages, no explicit groups.
+LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt = {});
+
+/// Builds a layout from a recipe (see derive_layout for what it contains). Throws
+/// Error(kInvalidArgument) naming the tensor or group when explicit groups disagree with the
+/// tensors (unknown tensor, numel mismatch, partition too small).
+Layout build_layout(const ModelConfig& cfg, const Topology& topo, const LayoutRecipe& recipe,
+                    const DeriveOptions& opt = {});
+
 /// Builds the full layout of a job: weight buffers per tp-local tensor on every rank that holds
 /// it (tied embedding on the first and last stage), and for the optimizer: ZeRO 0 per-tensor
 /// buffers, ZeRO 1/2 one flat partition per param group and state kind (groups: weight decay /
