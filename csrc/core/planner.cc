@@ -581,13 +581,18 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   needs.shrink_to_fit();
 
   // 5a. Cut fragments to the budget.
-  const uint64_t limit = std::max<uint64_t>(opt.memory_budget / 2, 1);
   std::vector<Proto> cut;
   cut.reserve(protos.size());
   std::function<void(Proto&&)> split = [&](Proto&& p) {
     const SrcPiece& sp = src_piece(p.src);
     const uint64_t es = dtype_size(sp.dtype);
     uint64_t bytes = uint64_t(p.box.numel()) * es;
+    // The reader holds the packed box plus one send copy per other receiving rank.
+    std::vector<int32_t> rk;
+    for (const auto& d : p.dst) rk.push_back(d.rank);
+    std::sort(rk.begin(), rk.end());
+    const uint64_t copies = uint64_t(std::unique(rk.begin(), rk.end()) - rk.begin()) + 1;
+    const uint64_t limit = std::max<uint64_t>(opt.memory_budget / copies, 1);
     if (bytes <= limit || p.box.numel() <= 1) {
       cut.push_back(std::move(p));
       return;
@@ -649,12 +654,13 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     for (;; ++w) {
       if (w == int(wave_use.size())) wave_use.emplace_back(W, 0);
       auto& u = wave_use[w];
-      bool ok = u[reader] + bytes <= opt.memory_budget || u[reader] == 0;
+      const uint64_t reader_cost = bytes * (1 + remote.size());  // staging + one send copy per receiver
+      bool ok = u[reader] + reader_cost <= opt.memory_budget || u[reader] == 0;
       for (int32_t r : remote) ok = ok && (u[r] + bytes <= opt.memory_budget || u[r] == 0);
       if (ok) break;
     }
     auto& u = wave_use[w];
-    u[reader] += bytes;
+    u[reader] += bytes * (1 + remote.size());
     for (int32_t r : remote) u[r] += bytes;
     f.wave = w;
     plan.ranks[reader].bytes_read += bytes;
