@@ -1,0 +1,77 @@
+"""The CLI's contract: exit codes, one-line errors naming the field, and the plan JSON."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = ROOT / "build" / "bin" / "reshard"
+
+
+def run(*args):
+    return subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+pytestmark = pytest.mark.skipif(not CLI.exists(), reason="build/bin/reshard not built (run scripts/setup.sh)")
+
+
+def test_plan_gpt3_175b_json_has_job_totals():
+    r = run("plan", "--model", ROOT / "configs/models/gpt3-175b.yaml", "--source", "tp=8,pp=16,dp=8,zero=1",
+            "--target", "tp=4,pp=8,dp=32,zero=1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "tp 8->4, pp 16->8, dp 8->32, ZeRO-1 partitions re-cut" in r.stderr
+    j = json.loads(r.stdout)
+    assert j["source_world_size"] == 1024 and j["target_world_size"] == 1024
+    # 175B parameters: bf16 weights (2 bytes) + fp32 master, exp_avg, exp_avg_sq (12 bytes), read once.
+    params = j["bytes_needed"] / 14
+    assert 174e9 < params < 176e9, params
+    assert j["bytes_to_read"] == j["bytes_needed"]
+    assert j["bytes_to_exchange"] > 0
+    assert 0 < j["peak_staging_bytes_per_rank"] <= 2**30
+    assert j["plan_seconds"] > 0
+
+
+def test_plan_text_output_names_the_change():
+    r = run("plan", "--model", "tiny-gpt", "--source", "tp=2,pp=2,dp=2,zero=1", "--target", "tp=1,pp=2,dp=4,zero=1")
+    assert r.returncode == 0, r.stderr
+    assert "tp 2->1, dp 2->4" in r.stdout
+
+
+@pytest.mark.parametrize("layout,needle", [
+    ("tp=0,dp=2", "layout field tp=0 must be >= 1"),
+    ("tp=2,foo=3", "unknown key 'foo'"),
+    ("tp=two", "tp='two' is not an integer"),
+    ("tp=3,dp=1", "not divisible by tp"),
+    ("tp=1,pp=8,dp=1", "pp*vpp=8 > num_layers=4"),
+    ("tp=8,dp=1", "tp=8 > query_groups=4"),
+    ("tp=1,pp=2,dp=2,zero=3", "ZeRO stage 2 or 3 with pipeline"),
+])
+def test_bad_topology_is_one_line_exit_2(layout, needle):
+    r = run("plan", "--model", "tiny-gpt", "--source", "tp=1,dp=1", "--target", layout)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("reshard: error:")
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_model_file_names_field(tmp_path):
+    bad = tmp_path / "m.yaml"
+    bad.write_text("name: x\nnum_layers: 2\nhidden: 64\nheads: 6\nvocab: 100\n")
+    r = run("plan", "--model", bad, "--source", "tp=1", "--target", "tp=1")
+    assert r.returncode == 2
+    assert "hidden=64 must be divisible by heads=6" in r.stderr
+    bad.write_text("name: x\nnum_layer: 2\n")
+    r = run("plan", "--model", bad, "--source", "tp=1", "--target", "tp=1")
+    assert r.returncode == 2 and "unknown field 'num_layer'" in r.stderr
+    bad.write_text("name: x\nnum_layers: 2\nhidden: 64\nheads: 8\nvocab: 100\nrules:\n  - {pattern: 'nothing\\.matches', split: row}\n")
+    r = run("plan", "--model", bad, "--source", "tp=1", "--target", "tp=2")
+    assert r.returncode == 2 and "matches no tensor" in r.stderr
+
+
+def test_missing_model_file_exit_2():
+    r = run("plan", "--model", "/nonexistent/model.yaml", "--source", "tp=1", "--target", "tp=1")
+    assert r.returncode == 2 and "/nonexistent/model.yaml" in r.stderr

@@ -1,0 +1,508 @@
+// The layout parts of the public failure reports in shared/research/failures.md, as named tests.
+// Fused layouts are checked against row orders written out here independently of the planner's
+// logical views (Megatron semantics from formats.md §4.3-4.5), so a wrong view cannot pass.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "reshard/model.h"
+#include "unit/core_harness.h"
+
+namespace reshard {
+namespace {
+
+using testing::MemCheckpoint;
+
+ModelConfig base_model() {
+  ModelConfig m;
+  m.name = "t";
+  m.num_layers = 2;
+  m.hidden = 32;
+  m.heads = 8;
+  m.ffn = 16;
+  m.vocab = 64;
+  m.vocab_divisible_by = 1;
+  m.param_dtype = DType::F32;
+  m.bias = false;
+  return m;
+}
+
+Layout weights_layout(const ModelConfig& m, const std::string& topo, bool dp0_only = false) {
+  DeriveOptions o;
+  o.optimizer = false;
+  o.weights_on_dp0_only = dp0_only;
+  return derive_layout(m, Topology::parse(topo), o);
+}
+
+float* weight_ptr(const Layout& L, MemCheckpoint& mem, int rank, const std::string& tensor) {
+  int b = L.find_buffer(rank, "weight/" + tensor);
+  EXPECT_GE(b, 0) << tensor << " on rank " << rank;
+  return b < 0 ? nullptr : reinterpret_cast<float*>(mem.bufs[b].data());
+}
+
+// Fills/checks a 2-D row-split weight: local row i of rank r holds global fused row rows(r)[i],
+// element (row, col) = row * 1000 + col.
+using RowMap = std::function<std::vector<int64_t>(int tp_rank)>;
+
+void fill_rows(const Layout& L, MemCheckpoint& mem, const std::string& tensor, int64_t H, const RowMap& rows) {
+  for (int r = 0; r < L.topo.world_size(); ++r) {
+    if (L.topo.dp_rank(r) != 0) continue;
+    float* p = weight_ptr(L, mem, r, tensor);
+    if (!p) continue;
+    auto ids = rows(L.topo.tp_rank(r));
+    for (size_t i = 0; i < ids.size(); ++i)
+      for (int64_t c = 0; c < H; ++c) p[i * H + c] = float(ids[i] * 1000 + c);
+  }
+}
+
+void expect_rows(const Layout& L, MemCheckpoint& mem, const std::string& tensor, int64_t H, const RowMap& rows) {
+  for (int r = 0; r < L.topo.world_size(); ++r) {
+    float* p = weight_ptr(L, mem, r, tensor);
+    if (!p) continue;
+    auto ids = rows(L.topo.tp_rank(r));
+    for (size_t i = 0; i < ids.size(); ++i)
+      for (int64_t c = 0; c < H; ++c)
+        ASSERT_EQ(p[i * H + c], float(ids[i] * 1000 + c))
+            << tensor << " rank " << r << " local row " << i << " col " << c << " want fused row " << ids[i];
+  }
+}
+
+void run(const Layout& src, MemCheckpoint& ms, const Layout& dst, MemCheckpoint& md, PlanOptions o = {}) {
+  Plan p = make_plan(ms.as_source(src), dst, o);
+  simulate_plan(p, dst, ms.reader(), md.ptrs());
+}
+
+// SwiGLU dense_h_to_4h: rank r holds [gate_r; up_r] [formats.md §4.5].
+RowMap swiglu_rows(int64_t F, int tp) {
+  return [=](int r) {
+    std::vector<int64_t> v;
+    int64_t n = F / tp;
+    for (int64_t i = 0; i < n; ++i) v.push_back(r * n + i);
+    for (int64_t i = 0; i < n; ++i) v.push_back(F + r * n + i);
+    return v;
+  };
+}
+
+// Fused QKV version >= 2 with query groups: per group [q heads..., k, v] x head_dim; tp splits
+// whole groups [formats.md §4.4].
+RowMap gqa_rows(int64_t ng, int64_t q, int64_t hn, int tp) {
+  return [=](int r) {
+    std::vector<int64_t> v;
+    int64_t per = ng / tp;
+    for (int64_t g = r * per; g < (r + 1) * per; ++g)
+      for (int64_t k = 0; k < (q + 2) * hn; ++k) v.push_back(g * (q + 2) * hn + k);
+    return v;
+  };
+}
+
+// tp > groups, replicate_kv: rank t holds its q/(tp/ng) query heads, then a copy of its group's K and V.
+RowMap replicate_kv_rows(int64_t ng, int64_t q, int64_t hn, int tp) {
+  return [=](int t) {
+    std::vector<int64_t> v;
+    int64_t per = tp / ng, qq = q / per, g = t / per, j = t % per;
+    for (int64_t h = j * qq; h < (j + 1) * qq; ++h)
+      for (int64_t d = 0; d < hn; ++d) v.push_back((g * (q + 2) + h) * hn + d);
+    for (int64_t s = q; s < q + 2; ++s)
+      for (int64_t d = 0; d < hn; ++d) v.push_back((g * (q + 2) + s) * hn + d);
+    return v;
+  };
+}
+
+TEST(FailureB08, SwigluGateUpSurvivesTp4ToTp1AndTp2) {
+  ModelConfig m = base_model();
+  m.swiglu = true;
+  const std::string t = "layers.0.mlp.dense_h_to_4h.weight";
+  Layout a = weights_layout(m, "tp=4,dp=1");
+  MemCheckpoint ma(a);
+  fill_rows(a, ma, t, m.hidden, swiglu_rows(m.ffn, 4));
+  for (int tp : {1, 2}) {
+    Layout b = weights_layout(m, "tp=" + std::to_string(tp) + ",dp=1");
+    MemCheckpoint mb(b);
+    run(a, ma, b, mb);
+    expect_rows(b, mb, t, m.hidden, swiglu_rows(m.ffn, tp));
+  }
+  // A naive concatenation of rank blocks would put up_0 at rows F/4..F/2: make sure it is not.
+  Layout one = weights_layout(m, "tp=1,dp=1");
+  MemCheckpoint mo(one);
+  run(a, ma, one, mo);
+  EXPECT_EQ(weight_ptr(one, mo, 0, t)[(m.ffn / 4) * m.hidden], float((m.ffn / 4) * 1000));
+}
+
+TEST(FailureB09, RuleThatMatchesNothingIsAnError) {
+  ModelConfig m = base_model();
+  m.rules.push_back({R"(layers\.\d+\.self_attn\.dense\.weight)", Split::kRow});  // the typo of the report
+  try {
+    model_tensors(m, 1);
+    FAIL() << "a rule matching nothing must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("matches no tensor"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("self_attn"), std::string::npos) << e.what();
+  }
+  m.rules.back().pattern = R"(layers\.\d+\.self_attention\.dense\.weight)";
+  EXPECT_NO_THROW(model_tensors(m, 1));
+}
+
+TEST(FailureB12, MqaKeyValueIsCopiedNotConcatenated) {
+  ModelConfig m = base_model();
+  m.heads = 8;
+  m.hidden = 32;  // head_dim 4
+  m.query_groups = 1;
+  m.tp_gt_groups = QkvVariant::kReplicateKv;
+  const std::string t = "layers.0.self_attention.query_key_value.weight";
+  Layout a = weights_layout(m, "tp=4,dp=1");
+  MemCheckpoint ma(a);
+  fill_rows(a, ma, t, m.hidden, replicate_kv_rows(1, 8, 4, 4));
+  // Each tp=4 rank holds 2 query heads + the shared K and V: 16 rows.
+  EXPECT_EQ(a.buffers[a.find_buffer(0, "weight/" + t)].numel, 16 * m.hidden);
+  Layout one = weights_layout(m, "tp=1,dp=1");
+  MemCheckpoint mo(one);
+  run(a, ma, one, mo);
+  // Merged: 8 query heads + ONE K + ONE V = 40 rows of 32 (K and V each [4, 32], not [16, 32]).
+  EXPECT_EQ(one.buffers[one.find_buffer(0, "weight/" + t)].numel, 40 * m.hidden);
+  expect_rows(one, mo, t, m.hidden, gqa_rows(1, 8, 4, 1));
+  for (int tp : {2, 4}) {
+    Layout b = weights_layout(m, "tp=" + std::to_string(tp) + ",dp=1");
+    MemCheckpoint mb(b);
+    run(one, mo, b, mb);
+    expect_rows(b, mb, t, m.hidden, replicate_kv_rows(1, 8, 4, tp));
+  }
+  // The K/V copies on the four source ranks are replicas: they are compared, and a difference is
+  // reported with the tensor name and the max |diff|.
+  float* kv1 = weight_ptr(a, ma, 1, t) + 2 * 4 * m.hidden;  // rank 1's K block
+  kv1[3] += 0.5f;
+  Plan p = make_plan(ma.as_source(a), one);
+  EXPECT_GE(p.replica_compares.size(), 3u);
+  try {
+    simulate_plan(p, one, ma.reader(), mo.ptrs(), ReplicaPolicy::kError);
+    FAIL() << "diverged K copy must be reported";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss);
+    EXPECT_NE(std::string(e.what()).find(t), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("max |diff| 0.5"), std::string::npos) << e.what();
+  }
+}
+
+TEST(FailureB13, GqaFusedQkvKeepsGroupsAndRefusesAnMhaModel) {
+  ModelConfig m = base_model();
+  m.hidden = 64;
+  m.heads = 8;  // head_dim 8
+  m.query_groups = 2;
+  m.tp_gt_groups = QkvVariant::kReplicateKv;
+  const std::string t = "layers.1.self_attention.query_key_value.weight";
+  Layout a = weights_layout(m, "tp=2,dp=1");
+  // At tp=2 each rank holds one group: (4 q + k + v) * 8 = 48 rows.
+  EXPECT_EQ(a.buffers[a.find_buffer(0, "weight/" + t)].numel, 48 * 64);
+  MemCheckpoint ma(a);
+  fill_rows(a, ma, t, m.hidden, gqa_rows(2, 4, 8, 2));
+  Layout one = weights_layout(m, "tp=1,dp=1");
+  MemCheckpoint mo(one);
+  run(a, ma, one, mo);
+  expect_rows(one, mo, t, m.hidden, gqa_rows(2, 4, 8, 1));
+  Layout four = weights_layout(m, "tp=4,dp=1");  // fewer KV heads than ranks: K/V replicated
+  MemCheckpoint mf(four);
+  run(a, ma, four, mf);
+  expect_rows(four, mf, t, m.hidden, replicate_kv_rows(2, 4, 8, 4));
+  // A model that says MHA (8 groups: 3*64/2 = 96 rows per rank) disagrees with the checkpoint.
+  ModelConfig mha = m;
+  mha.query_groups = 0;
+  try {
+    make_plan(ma.as_source(a), weights_layout(mha, "tp=2,dp=1"));
+    FAIL() << "GQA checkpoint into an MHA model must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("query_key_value"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[2, 6, 8, 64]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(FailureB13, QkvCheckpointVersionsZeroAndOneBecomeVersionThree) {
+  // MHA, 8 heads of 4; tp=2 -> np = 4 heads per rank.
+  ModelConfig m = base_model();
+  const int64_t hn = 4, np = 4, H = m.hidden;
+  const std::string t = "layers.0.self_attention.query_key_value.weight";
+  for (double version : {0.0, 1.0}) {
+    ModelConfig old = m;
+    old.qkv_version = version;
+    Layout a = weights_layout(old, "tp=2,dp=1");
+    MemCheckpoint ma(a);
+    fill_rows(a, ma, t, H, [&](int r) {
+      std::vector<int64_t> v;  // global v3 row id of each local row
+      for (int64_t i = 0; i < 3 * np * hn; ++i) {
+        int64_t s, h, d;
+        if (version == 0.0) { s = i / (np * hn); h = (i / hn) % np; d = i % hn; }   // [3, np, hn]
+        else { h = i / (hn * 3); d = (i / 3) % hn; s = i % 3; }                     // [np, hn, 3]
+        v.push_back(((r * np + h) * 3 + s) * hn + d);
+      }
+      return v;
+    });
+    Layout one = weights_layout(m, "tp=1,dp=1");  // version 3 model
+    MemCheckpoint mo(one);
+    run(a, ma, one, mo);
+    expect_rows(one, mo, t, H, gqa_rows(8, 1, hn, 1));
+  }
+}
+
+TEST(FailureB14, VocabRowsGoToTheirRankAtTp2AndTp4) {
+  ModelConfig m = base_model();
+  m.hidden = 8;
+  m.heads = 4;
+  m.vocab = 64;
+  m.vocab_divisible_by = 1;
+  for (const char* t : {"embedding.word_embeddings.weight", "lm_head.weight"}) {
+    Layout a = weights_layout(m, "tp=1,dp=1");
+    MemCheckpoint ma(a);
+    fill_rows(a, ma, t, 8, [](int) { std::vector<int64_t> v(64); for (int i = 0; i < 64; ++i) v[i] = i; return v; });
+    for (int tp : {2, 4}) {
+      Layout b = weights_layout(m, "tp=" + std::to_string(tp) + ",dp=1");
+      MemCheckpoint mb(b);
+      run(a, ma, b, mb);
+      expect_rows(b, mb, t, 8, [&](int r) {
+        std::vector<int64_t> v;
+        for (int64_t i = 0; i < 64 / tp; ++i) v.push_back(r * (64 / tp) + i);  // rank r: rows [16r, 16r+16) at tp 4
+        return v;
+      });
+    }
+  }
+  // vocab 62 padded to a multiple of 8*tp: rows >= 62 are padding, marked as such.
+  m.vocab = 62;
+  m.vocab_divisible_by = 8;
+  Layout b = weights_layout(m, "tp=4,dp=1");
+  int e = b.find_array("embedding.word_embeddings.weight", StateKind::kWeight);
+  EXPECT_EQ(b.arrays[e].shape[0], 64);
+  EXPECT_EQ(b.arrays[e].real_rows, 62);
+}
+
+TEST(FailureB15, TiedEmbeddingAcrossPipelineStages) {
+  ModelConfig m = base_model();
+  m.num_layers = 4;
+  m.vocab = 16;
+  m.hidden = 8;
+  m.heads = 2;
+  m.ffn = 8;
+  m.tied_embeddings = true;
+  m.param_dtype = DType::BF16;
+  const std::string emb = "embedding.word_embeddings.weight";
+  Layout a = derive_layout(m, Topology::parse("pp=1,dp=1"));
+  MemCheckpoint ma(a);
+  ma.fill_truth(a);
+  for (const char* topo : {"pp=2,dp=1", "pp=4,dp=1", "pp=2,vpp=2,dp=1"}) {
+    SCOPED_TRACE(topo);
+    Layout b = derive_layout(m, Topology::parse(topo));
+    MemCheckpoint mb(b);
+    run(a, ma, b, mb);
+    std::string why;
+    EXPECT_EQ(testing::check_truth(b, mb, 16, &why), 0) << why;
+    const int pp = b.topo.pp;
+    for (const char* state : {"weight", "fp32", "exp_avg", "exp_avg_sq"}) {
+      std::string name = std::string(state) + "/" + emb;
+      int first = b.find_buffer(0, name), last = b.find_buffer(pp - 1, name);
+      ASSERT_GE(first, 0);
+      ASSERT_GE(last, 0);
+      if (b.topo.zero == 0) EXPECT_EQ(mb.bufs[first], mb.bufs[last]) << name;  // bitwise equal copies
+      for (int s = 1; s < pp - 1; ++s) EXPECT_LT(b.find_buffer(s, name), 0) << "middle stage " << s << " holds " << name;
+    }
+  }
+}
+
+TEST(FailureB16, PaddedVocabIsAGlobalShapeNotMultipliedByTp) {
+  ModelConfig m = base_model();
+  m.vocab = 10;
+  m.hidden = 4;
+  m.heads = 2;
+  m.vocab_divisible_by = 8;
+  EXPECT_EQ(m.padded_vocab(1), 16);
+  EXPECT_EQ(m.padded_vocab(2), 16);  // a multiple of 8*2 = 16, not 32
+  Layout b = weights_layout(m, "tp=2,dp=1");
+  EXPECT_EQ(b.arrays[b.find_array("embedding.word_embeddings.weight", StateKind::kWeight)].shape[0], 16);
+  EXPECT_EQ(b.buffers[b.find_buffer(1, "weight/embedding.word_embeddings.weight")].numel, 8 * 4);  // [8, 4] per rank
+}
+
+TEST(FailureB24, VocabNotDivisibleByTpReloadsAtTp1AndTp4) {
+  ModelConfig m = base_model();
+  m.vocab = 13;
+  m.hidden = 4;
+  m.heads = 4;
+  m.vocab_divisible_by = 1;
+  const std::string t = "embedding.word_embeddings.weight";
+  Layout a = weights_layout(m, "tp=2,dp=1");  // padded to 14
+  EXPECT_EQ(a.arrays[a.find_array(t, StateKind::kWeight)].shape[0], 14);
+  MemCheckpoint ma(a);
+  fill_rows(a, ma, t, 4, [](int r) { std::vector<int64_t> v; for (int i = 0; i < 7; ++i) v.push_back(r * 7 + i); return v; });
+  Layout one = weights_layout(m, "tp=1,dp=1");  // exactly 13 rows: the padding row is dropped
+  MemCheckpoint mo(one);
+  Plan p = make_plan(ma.as_source(a), one);
+  simulate_plan(p, one, ma.reader(), mo.ptrs());
+  EXPECT_EQ(one.buffers[one.find_buffer(0, "weight/" + t)].numel, 13 * 4);
+  expect_rows(one, mo, t, 4, [](int) { std::vector<int64_t> v; for (int i = 0; i < 13; ++i) v.push_back(i); return v; });
+  bool noted = false;
+  for (const auto& n : p.notes) noted |= n.find("padding rows beyond the target's padded vocab dropped") != std::string::npos;
+  EXPECT_TRUE(noted);
+  Layout four = weights_layout(m, "tp=4,dp=1");  // 16 rows: row 13 from the source's padding, 14-15 zero
+  MemCheckpoint mf(four);
+  run(a, ma, four, mf);
+  float* r3 = weight_ptr(four, mf, 3, t);  // rows 12..15
+  for (int c = 0; c < 4; ++c) {
+    EXPECT_EQ(r3[0 * 4 + c], float(12 * 1000 + c));
+    EXPECT_EQ(r3[1 * 4 + c], float(13 * 1000 + c)) << "padding row present on both sides is copied";
+    EXPECT_EQ(r3[2 * 4 + c], 0.f);
+    EXPECT_EQ(r3[3 * 4 + c], 0.f);
+  }
+}
+
+// ---- flat partitions (B01, B02): custom tensors through build_layout ----
+
+struct Mlp {
+  ModelConfig cfg;
+  LayoutRecipe recipe;
+};
+
+TensorSpec spec(const std::string& name, std::vector<int64_t> shape, bool nwd) {
+  TensorSpec s;
+  s.name = name;
+  s.shape = std::move(shape);
+  s.owner = Owner::kFirstStage;
+  s.no_weight_decay = nwd;
+  return s;
+}
+
+Mlp mlp_5_7_3() {  // B01: weights 35 + 21 = 56 in group A; biases 7 + 3 and a norm of 5 = 15 in group B
+  Mlp m;
+  m.cfg = base_model();
+  m.recipe.tensors = {spec("fc1.weight", {7, 5}, false), spec("fc1.bias", {7}, true), spec("norm.weight", {5}, true),
+                      spec("fc2.weight", {3, 7}, false), spec("fc2.bias", {3}, true)};
+  m.recipe.stages.assign(m.recipe.tensors.size(), {0});
+  return m;
+}
+
+TEST(FailureB01, TwoParamGroupsConsolidateExactly) {
+  Mlp m = mlp_5_7_3();
+  for (int zero : {1, 2}) {
+    Topology a = Topology::parse("dp=4,zero=" + std::to_string(zero));
+    DeriveOptions so;
+    so.weights_on_dp0_only = true;
+    Layout src = build_layout(m.cfg, a, m.recipe, so);
+    ASSERT_EQ(src.flat_groups[0].size(), 2u);
+    EXPECT_EQ(src.flat_groups[0][0].numel, 56);
+    EXPECT_EQ(src.flat_groups[0][1].numel, 15);
+    MemCheckpoint ms(src);
+    ms.fill_truth(src);
+    for (const char* t : {"dp=1,zero=0", "dp=3,zero=2", "dp=1,zero=1"}) {
+      Layout dst = build_layout(m.cfg, Topology::parse(t), m.recipe);
+      MemCheckpoint md(dst);
+      run(src, ms, dst, md);
+      std::string why;
+      EXPECT_EQ(testing::check_truth(dst, md, 0, &why), 0) << t << ": " << why;
+    }
+  }
+}
+
+TEST(FailureB01, WeightsFromMasterAreTheDowncastMaster) {
+  Mlp m = mlp_5_7_3();
+  m.cfg.param_dtype = DType::BF16;
+  Layout full = build_layout(m.cfg, Topology::parse("dp=2,zero=2"), m.recipe);
+  // A source without 16-bit weights (as ZeRO-3 files): keep only optimizer arrays.
+  Layout src = full;
+  std::vector<Piece> keep;
+  for (const Piece& p : src.pieces)
+    if (src.arrays[p.array].state != StateKind::kWeight) keep.push_back(p);
+  src.pieces = keep;
+  std::vector<LogicalArray> arrays;
+  MemCheckpoint ms(src);
+  ms.fill_truth(src);
+  SourceLayout s = ms.as_source(src);
+  // Drop the weight arrays from the source so the planner falls back to the master.
+  Layout dst = build_layout(m.cfg, Topology::parse("dp=1,zero=0"), m.recipe);
+  for (auto& a : s.layout.arrays)
+    if (a.state == StateKind::kWeight) a.tensor += ".absent";
+  PlanOptions o;
+  o.strict_unexpected = false;
+  Plan p = make_plan(s, dst, o);
+  MemCheckpoint md(dst);
+  simulate_plan(p, dst, ms.reader(), md.ptrs());
+  bool noted = false;
+  for (const auto& n : p.notes) noted |= n.find("downcasting the checkpoint's fp32 master") != std::string::npos;
+  EXPECT_TRUE(noted);
+  for (const auto& t : m.recipe.tensors) {
+    int wb = dst.find_buffer(0, "weight/" + t.name), mb = dst.find_buffer(0, "fp32/" + t.name);
+    ASSERT_GE(wb, 0);
+    ASSERT_GE(mb, 0);
+    const int64_t n = dst.buffers[wb].numel;
+    std::vector<uint16_t> want(n);
+    convert_elements(md.bufs[mb].data(), DType::F32, want.data(), DType::BF16, n);
+    EXPECT_EQ(0, std::memcmp(want.data(), md.bufs[wb].data(), n * 2)) << t.name;
+  }
+}
+
+TEST(FailureB02, AlignmentComesFromTheRecipeNeverAConstant) {
+  ModelConfig cfg = base_model();
+  LayoutRecipe r;
+  r.tensors = {spec("w", {7, 7}, false), spec("b", {7}, false), spec("gain", {}, false)};  // 49 + 7 + 1 = 57
+  r.stages.assign(3, {0});
+  for (int dp : {2, 3, 4, 8}) {
+    for (int align : {1, 4, 2 * dp}) {
+      SCOPED_TRACE("dp=" + std::to_string(dp) + " align=" + std::to_string(align));
+      LayoutRecipe rr = r;
+      FlatGroup g;
+      g.entries = {{"w", 0, 49}, {"b", 49, 7}, {"gain", 56, 1}};
+      g.numel = 57;
+      int64_t padded = (57 + align - 1) / align * align;
+      g.partition_size = (padded + dp - 1) / dp;
+      rr.groups = {{g}};
+      DeriveOptions so;
+      so.weights_on_dp0_only = true;
+      Layout src = build_layout(cfg, Topology::parse("dp=" + std::to_string(dp) + ",zero=2"), rr, so);
+      MemCheckpoint ms(src);
+      ms.fill_truth(src);
+      Layout dst = build_layout(cfg, Topology::parse("dp=3,zero=2"), r);
+      MemCheckpoint md(dst);
+      run(src, ms, dst, md);
+      std::string why;
+      EXPECT_EQ(testing::check_truth(dst, md, 0, &why), 0) << why;
+      // Exactly 57 values per state in the consolidated flat order.
+      Layout one = build_layout(cfg, Topology::parse("dp=1,zero=1"), r);
+      EXPECT_EQ(one.flat_groups[0][0].numel, 57);
+    }
+  }
+  // A partition too small for the group: the error names the group and both counts.
+  LayoutRecipe bad = r;
+  FlatGroup g;
+  g.entries = {{"w", 0, 49}, {"b", 49, 7}, {"gain", 56, 1}};
+  g.partition_size = 14;  // 14 * 4 = 56 < 57
+  bad.groups = {{g}};
+  try {
+    build_layout(cfg, Topology::parse("dp=4,zero=2"), bad);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("param group 0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("14 x dp 4 < 57"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Coverage, MissingShardIsReportedWithTensorAndRegion) {  // B17
+  ModelConfig m = base_model();
+  m.hidden = 8;
+  m.heads = 8;
+  m.vocab = 64;
+  Layout a = weights_layout(m, "tp=8,dp=1");
+  MemCheckpoint ma(a);
+  SourceLayout s = ma.as_source(a);
+  // Only rank 0's embedding shard is registered: ranks 1-7 lose theirs.
+  for (size_t b = 0; b < a.buffers.size(); ++b)
+    if (a.buffers[b].rank != 0 && a.buffers[b].name == "weight/embedding.word_embeddings.weight") s.locations[b].file = -1;
+  try {
+    make_plan(s, weights_layout(m, "tp=1,dp=1"));
+    FAIL();
+  } catch (const Error& e) {
+    std::string w = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss);
+    EXPECT_NE(w.find("covered by no file"), std::string::npos) << w;
+    EXPECT_NE(w.find("tensor embedding.word_embeddings.weight (weight): elements [8:64, 0:8]"), std::string::npos) << w;
+    EXPECT_NE(w.find("weight/embedding.word_embeddings.weight of source rank 7"), std::string::npos) << w;
+  }
+  auto gaps = find_coverage_gaps(s, weights_layout(m, "tp=1,dp=1"));
+  ASSERT_EQ(gaps.size(), 1u);
+  EXPECT_EQ(gaps[0].region.off[0], 8);
+  EXPECT_EQ(gaps[0].region.len[0], 56);
+}
+
+}  // namespace
+}  // namespace reshard
