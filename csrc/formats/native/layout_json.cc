@@ -1,0 +1,428 @@
+#include "formats/native/layout_json.h"
+
+#include <algorithm>
+
+#include "reshard/error.h"
+
+namespace reshard::native {
+
+// ---------------------------------------------------------------------------------------------
+// Field
+
+void Field::bad(const std::string& why) const {
+  fail(ErrorCode::kDataLoss, file_, ": field '", path_.empty() ? "<root>" : path_, "': ", why);
+}
+
+Field Field::operator[](const std::string& key) const {
+  if (!j_.is_object()) bad("expected an object");
+  auto it = j_.find(key);
+  if (it == j_.end()) {
+    std::string p = path_.empty() ? key : path_ + "." + key;
+    fail(ErrorCode::kDataLoss, file_, ": field '", p, "' is missing");
+  }
+  return Field(*it, path_.empty() ? key : path_ + "." + key, file_);
+}
+
+Field Field::operator[](size_t i) const {
+  if (!j_.is_array()) bad("expected an array");
+  if (i >= j_.size()) bad("index " + std::to_string(i) + " out of range");
+  return Field(j_[i], path_ + "[" + std::to_string(i) + "]", file_);
+}
+
+size_t Field::size() const {
+  if (!j_.is_array()) bad("expected an array");
+  return j_.size();
+}
+
+std::string Field::str() const {
+  if (!j_.is_string()) bad("expected a string");
+  return j_.get<std::string>();
+}
+
+int64_t Field::i64() const {
+  if (!j_.is_number_integer()) bad("expected an integer");
+  if (j_.is_number_unsigned() && j_.get<uint64_t>() > uint64_t(INT64_MAX)) bad("integer out of range");
+  return j_.get<int64_t>();
+}
+
+double Field::f64() const {
+  if (!j_.is_number()) bad("expected a number");
+  return j_.get<double>();
+}
+
+bool Field::boolean() const {
+  if (!j_.is_boolean()) bad("expected true or false");
+  return j_.get<bool>();
+}
+
+std::vector<int64_t> Field::i64s() const {
+  std::vector<int64_t> v;
+  for (size_t i = 0, n = size(); i < n; ++i) v.push_back((*this)[i].i64());
+  return v;
+}
+
+namespace {
+
+// Parses a name with a from_name function, turning its kInvalidArgument into a field error.
+template <typename Fn>
+auto parse_name(const Field& f, Fn fn) {
+  std::string s = f.str();
+  try {
+    return fn(s);
+  } catch (const Error& e) {
+    f.bad(e.what());
+  }
+}
+
+const char* reduction_name(Reduction r) { return r == Reduction::kPartialSum ? "partial_sum" : "replicated"; }
+Reduction reduction_from(const Field& f) {
+  std::string s = f.str();
+  if (s == "replicated") return Reduction::kReplicated;
+  if (s == "partial_sum") return Reduction::kPartialSum;
+  f.bad("unknown reduction '" + s + "' (expected replicated or partial_sum)");
+}
+
+const char* owner_name(Owner o) {
+  switch (o) {
+    case Owner::kLayer: return "layer";
+    case Owner::kFirstStage: return "first_stage";
+    case Owner::kLastStage: return "last_stage";
+    case Owner::kFirstAndLast: return "first_and_last";
+  }
+  return "layer";
+}
+Owner owner_from(const Field& f) {
+  std::string s = f.str();
+  if (s == "layer") return Owner::kLayer;
+  if (s == "first_stage") return Owner::kFirstStage;
+  if (s == "last_stage") return Owner::kLastStage;
+  if (s == "first_and_last") return Owner::kFirstAndLast;
+  f.bad("unknown owner '" + s + "' (expected layer, first_stage, last_stage, first_and_last)");
+}
+
+int small_int(const Field& f, int64_t lo, int64_t hi) {
+  int64_t v = f.i64();
+  if (v < lo || v > hi) f.bad("value " + std::to_string(v) + " outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return int(v);
+}
+
+json dims(const std::array<int64_t, kMaxDims>& a, int nd) { return std::vector<int64_t>(a.begin(), a.begin() + nd); }
+
+void dims_from(const Field& f, int nd, std::array<int64_t, kMaxDims>& out, bool non_negative) {
+  if (int(f.size()) != nd) f.bad("expected " + std::to_string(nd) + " entries, found " + std::to_string(f.size()));
+  for (int d = 0; d < nd; ++d) {
+    out[d] = f[size_t(d)].i64();
+    if (non_negative && out[d] < 0) f[size_t(d)].bad("must not be negative");
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Model
+
+json model_to_json(const ModelConfig& m) {
+  json rules = json::array();
+  for (const auto& r : m.rules)
+    rules.push_back({{"pattern", r.pattern}, {"split", split_name(r.split)}, {"reduction", reduction_name(r.reduction)}});
+  return {{"name", m.name},
+          {"num_layers", m.num_layers},
+          {"hidden", m.hidden},
+          {"ffn", m.ffn},
+          {"heads", m.heads},
+          {"query_groups", m.query_groups},
+          {"vocab", m.vocab},
+          {"vocab_divisible_by", m.vocab_divisible_by},
+          {"max_position_embeddings", m.max_position_embeddings},
+          {"swiglu", m.swiglu},
+          {"tied_embeddings", m.tied_embeddings},
+          {"bias", m.bias},
+          {"norm", m.norm},
+          {"param_dtype", dtype_name(m.param_dtype)},
+          {"optimizer", m.optimizer},
+          {"qkv_version", m.qkv_version},
+          {"tp_gt_groups", qkv_variant_name(m.tp_gt_groups)},
+          {"rules", rules}};
+}
+
+ModelConfig model_from_json(const Field& f) {
+  ModelConfig m;
+  m.name = f["name"].str();
+  m.num_layers = small_int(f["num_layers"], 0, 1 << 20);
+  m.hidden = small_int(f["hidden"], 0, INT32_MAX);
+  m.ffn = small_int(f["ffn"], 0, INT32_MAX);
+  m.heads = small_int(f["heads"], 0, INT32_MAX);
+  m.query_groups = small_int(f["query_groups"], 0, INT32_MAX);
+  m.vocab = f["vocab"].i64();
+  m.vocab_divisible_by = small_int(f["vocab_divisible_by"], 1, INT32_MAX);
+  m.max_position_embeddings = small_int(f["max_position_embeddings"], 0, INT32_MAX);
+  m.swiglu = f["swiglu"].boolean();
+  m.tied_embeddings = f["tied_embeddings"].boolean();
+  m.bias = f["bias"].boolean();
+  m.norm = f["norm"].str();
+  m.param_dtype = parse_name(f["param_dtype"], dtype_from_name);
+  m.optimizer = f["optimizer"].str();
+  m.qkv_version = f["qkv_version"].f64();
+  m.tp_gt_groups = parse_name(f["tp_gt_groups"], qkv_variant_from_name);
+  Field rules = f["rules"];
+  for (size_t i = 0; i < rules.size(); ++i) {
+    LayoutRule r;
+    r.pattern = rules[i]["pattern"].str();
+    r.split = parse_name(rules[i]["split"], split_from_name);
+    r.reduction = reduction_from(rules[i]["reduction"]);
+    m.rules.push_back(r);
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout
+
+int64_t piece_span(const Piece& p) {
+  if (p.box.numel() == 0) return 0;
+  int64_t span = 1;
+  for (int d = 0; d < p.box.ndim; ++d) span += (p.box.len[d] - 1) * p.strides[d];
+  return span;
+}
+
+json layout_to_json(const Layout& L, const std::vector<std::string>& buffer_files,
+                    const std::vector<std::string>& checksums) {
+  json tensors = json::array();
+  for (const auto& t : L.tensors) {
+    tensors.push_back({{"name", t.name},
+                       {"shape", t.shape},
+                       {"split", split_name(t.split)},
+                       {"reduction", reduction_name(t.reduction)},
+                       {"owner", owner_name(t.owner)},
+                       {"layer", t.layer},
+                       {"no_weight_decay", t.no_weight_decay},
+                       {"real_rows", t.real_rows}});
+  }
+  json arrays = json::array();
+  for (const auto& a : L.arrays) {
+    arrays.push_back({{"tensor", a.tensor},
+                      {"state", state_kind_name(a.state)},
+                      {"shape", dims(a.shape, a.ndim)},
+                      {"real_rows", a.real_rows},
+                      {"reduction", reduction_name(a.reduction)}});
+  }
+  json buffers = json::array();
+  for (size_t i = 0; i < L.buffers.size(); ++i) {
+    const auto& b = L.buffers[i];
+    buffers.push_back({{"name", b.name},
+                       {"rank", b.rank},
+                       {"dtype", dtype_name(b.dtype)},
+                       {"numel", b.numel},
+                       {"state", state_kind_name(b.state)},
+                       {"group", b.group},
+                       {"file", buffer_files.at(i)}});
+  }
+  json pieces = json::array();
+  for (size_t i = 0; i < L.pieces.size(); ++i) {
+    const auto& p = L.pieces[i];
+    json e = {{"array", p.array},
+              {"buffer", p.buffer},
+              {"off", dims(p.box.off, p.box.ndim)},
+              {"len", dims(p.box.len, p.box.ndim)},
+              {"base", p.base},
+              {"strides", dims(p.strides, p.box.ndim)}};
+    if (!checksums.empty()) e["xxh3"] = checksums.at(i);
+    pieces.push_back(std::move(e));
+  }
+  json groups = json::array();
+  for (const auto& per_shard : L.flat_groups) {
+    json gs = json::array();
+    for (const auto& g : per_shard) {
+      json entries = json::array();
+      for (const auto& e : g.entries) entries.push_back({{"tensor", e.tensor}, {"offset", e.offset}, {"numel", e.numel}});
+      gs.push_back({{"entries", entries},
+                    {"numel", g.numel},
+                    {"partition_size", g.partition_size},
+                    {"no_weight_decay", g.no_weight_decay}});
+    }
+    groups.push_back(gs);
+  }
+  return {{"topology", L.topo.to_string()}, {"model", model_to_json(L.model)}, {"tensors", tensors},
+          {"arrays", arrays},               {"buffers", buffers},               {"pieces", pieces},
+          {"flat_groups", groups}};
+}
+
+Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_files, std::vector<std::string>* checksums) {
+  Layout L;
+  {
+    Field t = meta["topology"];
+    try {
+      L.topo = Topology::parse(t.str());
+      L.topo.validate();
+    } catch (const Error& e) {
+      t.bad(e.what());
+    }
+  }
+  L.model = model_from_json(meta["model"]);
+
+  Field tensors = meta["tensors"];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    Field f = tensors[i];
+    TensorSpec t;
+    t.name = f["name"].str();
+    t.shape = f["shape"].i64s();
+    t.split = parse_name(f["split"], split_from_name);
+    t.reduction = reduction_from(f["reduction"]);
+    t.owner = owner_from(f["owner"]);
+    t.layer = small_int(f["layer"], -1, INT32_MAX);
+    t.no_weight_decay = f["no_weight_decay"].boolean();
+    t.real_rows = f["real_rows"].i64();
+    L.tensors.push_back(std::move(t));
+  }
+
+  Field arrays = meta["arrays"];
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    Field f = arrays[i];
+    LogicalArray a;
+    a.tensor = f["tensor"].str();
+    a.state = parse_name(f["state"], state_kind_from_name);
+    Field shape = f["shape"];
+    if (shape.size() > size_t(kMaxDims)) shape.bad("more than " + std::to_string(kMaxDims) + " dims");
+    a.ndim = int(shape.size());
+    dims_from(shape, a.ndim, a.shape, true);
+    a.real_rows = f["real_rows"].i64();
+    a.reduction = reduction_from(f["reduction"]);
+    L.arrays.push_back(a);
+  }
+
+  Field buffers = meta["buffers"];
+  const int world = L.topo.world_size();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    Field f = buffers[i];
+    Buffer b;
+    b.name = f["name"].str();
+    b.rank = small_int(f["rank"], 0, world - 1);
+    b.dtype = parse_name(f["dtype"], dtype_from_name);
+    b.numel = f["numel"].i64();
+    if (b.numel < 0) f["numel"].bad("must not be negative");
+    b.state = parse_name(f["state"], state_kind_from_name);
+    b.group = small_int(f["group"], -1, INT32_MAX);
+    if (buffer_files) buffer_files->push_back(f["file"].str());
+    L.buffers.push_back(b);
+  }
+
+  Field pieces = meta["pieces"];
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    Field f = pieces[i];
+    Piece p;
+    p.array = int32_t(small_int(f["array"], 0, int64_t(L.arrays.size()) - 1));
+    p.buffer = int32_t(small_int(f["buffer"], 0, int64_t(L.buffers.size()) - 1));
+    const LogicalArray& a = L.arrays[p.array];
+    p.box.ndim = a.ndim;
+    dims_from(f["off"], a.ndim, p.box.off, true);
+    dims_from(f["len"], a.ndim, p.box.len, true);
+    dims_from(f["strides"], a.ndim, p.strides, true);
+    p.base = f["base"].i64();
+    for (int d = 0; d < a.ndim; ++d)
+      if (p.box.off[d] + p.box.len[d] > a.shape[d])
+        f.bad("box " + p.box.to_string() + " exceeds the shape of array " + a.key());
+    if (p.base < 0 || p.base + piece_span(p) > L.buffers[p.buffer].numel)
+      f.bad("elements [" + std::to_string(p.base) + ", " + std::to_string(p.base + piece_span(p)) +
+            ") lie outside buffer " + L.buffers[p.buffer].name + " of " + std::to_string(L.buffers[p.buffer].numel) +
+            " elements");
+    if (checksums) checksums->push_back(f.has("xxh3") ? f["xxh3"].str() : std::string());
+    L.pieces.push_back(p);
+  }
+
+  Field groups = meta["flat_groups"];
+  for (size_t i = 0; i < groups.size(); ++i) {
+    std::vector<FlatGroup> gs;
+    for (size_t k = 0; k < groups[i].size(); ++k) {
+      Field f = groups[i][k];
+      FlatGroup g;
+      Field entries = f["entries"];
+      for (size_t e = 0; e < entries.size(); ++e)
+        g.entries.push_back({entries[e]["tensor"].str(), entries[e]["offset"].i64(), entries[e]["numel"].i64()});
+      g.numel = f["numel"].i64();
+      g.partition_size = f["partition_size"].i64();
+      g.no_weight_decay = f["no_weight_decay"].boolean();
+      gs.push_back(std::move(g));
+    }
+    L.flat_groups.push_back(std::move(gs));
+  }
+  return L;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Non-tensor state
+
+json state_to_json(const NonTensorState& s) {
+  json extra;
+  try {
+    extra = json::parse(s.json.empty() ? std::string("{}") : s.json);
+  } catch (const json::exception& e) {
+    fail(ErrorCode::kInvalidArgument, "NonTensorState::json is not valid JSON: ", e.what());
+  }
+  json per_rank = json::object();
+  for (const auto& [r, blob] : s.per_rank) per_rank[std::to_string(r)] = base64_encode(blob);
+  return {{"iteration", s.iteration}, {"consumed_samples", s.consumed_samples}, {"step", s.step},
+          {"json", extra},            {"per_rank_base64", per_rank}};
+}
+
+NonTensorState state_from_json(const Field& f) {
+  NonTensorState s;
+  s.iteration = f["iteration"].i64();
+  s.consumed_samples = f["consumed_samples"].i64();
+  s.step = f["step"].i64();
+  s.json = f["json"].raw().dump();
+  Field pr = f["per_rank_base64"];
+  if (!pr.raw().is_object()) pr.bad("expected an object");
+  for (auto it = pr.raw().begin(); it != pr.raw().end(); ++it) {
+    Field v = pr[it.key()];
+    char* end = nullptr;
+    long r = std::strtol(it.key().c_str(), &end, 10);
+    if (it.key().empty() || *end != '\0' || r < 0) v.bad("key is not a rank number");
+    s.per_rank[int(r)] = base64_decode(v.str(), v);
+  }
+  return s;
+}
+
+static const char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+std::string base64_encode(const std::string& in) {
+  std::string out;
+  out.reserve((in.size() + 2) / 3 * 4);
+  size_t i = 0;
+  for (; i + 2 < in.size(); i += 3) {
+    uint32_t v = uint32_t(uint8_t(in[i])) << 16 | uint32_t(uint8_t(in[i + 1])) << 8 | uint8_t(in[i + 2]);
+    for (int k = 3; k >= 0; --k) out.push_back(kB64[(v >> (6 * k)) & 63]);
+  }
+  if (i + 1 == in.size()) {
+    uint32_t v = uint32_t(uint8_t(in[i])) << 16;
+    out += {kB64[v >> 18], kB64[(v >> 12) & 63], '=', '='};
+  } else if (i + 2 == in.size()) {
+    uint32_t v = uint32_t(uint8_t(in[i])) << 16 | uint32_t(uint8_t(in[i + 1])) << 8;
+    out += {kB64[v >> 18], kB64[(v >> 12) & 63], kB64[(v >> 6) & 63], '='};
+  }
+  return out;
+}
+
+std::string base64_decode(const std::string& in, const Field& where) {
+  if (in.size() % 4 != 0) where.bad("base64 length is not a multiple of 4");
+  auto val = [&](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    where.bad(std::string("invalid base64 character '") + c + "'");
+  };
+  std::string out;
+  for (size_t i = 0; i < in.size(); i += 4) {
+    int pad = (in[i + 3] == '=') + (in[i + 2] == '=');
+    if (pad && i + 4 != in.size()) where.bad("base64 padding in the middle");
+    uint32_t v = uint32_t(val(in[i])) << 18 | uint32_t(val(in[i + 1])) << 12 |
+                 uint32_t(pad >= 2 ? 0 : val(in[i + 2])) << 6 | uint32_t(pad >= 1 ? 0 : val(in[i + 3]));
+    out.push_back(char(v >> 16));
+    if (pad < 2) out.push_back(char((v >> 8) & 0xff));
+    if (pad < 1) out.push_back(char(v & 0xff));
+  }
+  return out;
+}
+
+}  // namespace reshard::native

@@ -1,0 +1,48 @@
+// Internals of the native format shared by the writer, the reader and synth.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "reshard/checkpoint.h"
+#include "reshard/layout.h"
+
+namespace reshard::native {
+
+constexpr const char* kMetadataFile = "metadata.json";
+constexpr const char* kLatestFile = "latest";
+constexpr const char* kFormatName = "reshard";
+
+/// "rank_00003.safetensors".
+std::string rank_file_name(int rank);
+/// True for plain names rank_<5 or more digits>.safetensors (no '/', no "..").
+bool is_rank_file_name(const std::string& name);
+/// Throws Error(kInvalidArgument) for a step name that is not a plain folder name.
+void check_step_name(const std::string& step);
+/// xxh3-64 as 16 lowercase hex digits.
+std::string xxh3_hex(const void* data, size_t bytes);
+/// 16 random hex digits.
+std::string make_nonce();
+
+/// Per buffer, the indices of its pieces.
+std::vector<std::vector<int>> pieces_by_buffer(const Layout& L);
+
+struct RankFileResult {
+  uint64_t bytes = 0;
+  std::vector<std::pair<int, std::string>> checksums;  // (piece index, xxh3 hex)
+};
+/// Writes and fsyncs dir/rank_<rank>.safetensors holding `rank`'s buffers (ptr(b) gives the bytes
+/// of buffer b), ordered by decreasing dtype size then layout order; checksums every piece.
+RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank,
+                               const std::vector<std::vector<int>>& by_buffer,
+                               const std::function<const void*(int buffer)>& ptr);
+
+/// Saves from one process; provide(rank) returns pointers indexed like L.buffers valid at least
+/// for that rank's buffers until the next call.
+void save_all_ranks_with(const std::string& root, const std::string& step, const Layout& L,
+                         const NonTensorState& state,
+                         const std::function<std::vector<const void*>(int rank)>& provide);
+
+}  // namespace reshard::native

@@ -1,0 +1,171 @@
+// open_checkpoint: detects the format of a path and resolves the step folder to open.
+#include <algorithm>
+#include <cctype>
+
+#include "formats/deepspeed/deepspeed_reader.h"
+#include "formats/native/native_internal.h"
+#include "io/file.h"
+#include "reshard/checkpoint.h"
+#include "reshard/error.h"
+#include "reshard/native.h"
+
+namespace reshard {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+bool is_native_step(const std::string& dir) { return io::is_file(io::join(dir, native::kMetadataFile)); }
+
+bool is_deepspeed_step(const std::string& dir) {
+  if (!io::is_dir(dir)) return false;
+  for (const auto& n : io::list_dir(dir))
+    if (ends_with(n, "_model_states.pt")) return true;
+  return false;
+}
+
+std::string trim(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  size_t i = 0;
+  while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
+  return s.substr(i);
+}
+
+std::string join_list(const std::vector<std::string>& v) {
+  if (v.empty()) return "(none)";
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i == 20) {
+      out += ", ... (" + std::to_string(v.size()) + " in all)";
+      break;
+    }
+    out += (i ? ", " : "") + v[i];
+  }
+  return out;
+}
+
+// Trailing decimal number of a step folder name ("global_step20" -> 20, "iter_0000020" -> 20).
+bool trailing_number(const std::string& s, unsigned long long* out) {
+  size_t i = s.size();
+  while (i > 0 && std::isdigit(static_cast<unsigned char>(s[i - 1]))) --i;
+  if (i == s.size() || s.size() - i > 18) return false;
+  *out = std::stoull(s.substr(i));
+  return true;
+}
+
+bool all_digits(const std::string& s) {
+  return !s.empty() && s.size() <= 18 && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
+}
+
+bool plain_name(const std::string& s) {
+  return !s.empty() && s != "." && s != ".." && s.find('/') == std::string::npos && s.find('\0') == std::string::npos;
+}
+
+// Step folders in a root, sorted by trailing number then name.
+std::vector<std::string> list_steps(const std::string& root) {
+  std::vector<std::string> steps;
+  for (const auto& n : io::list_dir(root)) {
+    if (n.empty() || n[0] == '.') continue;  // temporaries of unfinished saves
+    const std::string d = io::join(root, n);
+    if (io::is_dir(d) && (is_native_step(d) || is_deepspeed_step(d))) steps.push_back(n);
+  }
+  std::stable_sort(steps.begin(), steps.end(), [](const std::string& a, const std::string& b) {
+    unsigned long long x = 0, y = 0;
+    bool hx = trailing_number(a, &x), hy = trailing_number(b, &y);
+    if (hx && hy && x != y) return x < y;
+    return false;
+  });
+  return steps;
+}
+
+std::string resolve_step(const std::string& root, const std::string& asked, const std::vector<std::string>& steps) {
+  if (plain_name(asked) && io::is_dir(io::join(root, asked))) return asked;
+  if (all_digits(asked)) {
+    const unsigned long long want = std::stoull(asked);
+    std::vector<std::string> hits;
+    for (const auto& s : steps) {
+      unsigned long long n;
+      if (trailing_number(s, &n) && n == want) hits.push_back(s);
+    }
+    if (hits.size() == 1) return hits[0];
+    if (hits.size() > 1)
+      fail(ErrorCode::kInvalidArgument, "step ", asked, " is ambiguous in ", root, ": ", join_list(hits),
+           "; give the folder name");
+  }
+  fail(ErrorCode::kNotFound, "step '", asked, "' not found in ", root, "; available steps: ", join_list(steps));
+}
+
+std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOptions& opt,
+                                            std::vector<std::string> notes) {
+  if (is_native_step(dir)) return open_native(dir, std::move(notes));
+  if (is_deepspeed_step(dir)) return open_deepspeed(dir, opt);
+  fail(ErrorCode::kInvalidArgument, dir, " is not a step folder: it holds neither ", native::kMetadataFile,
+       " (native) nor *_model_states.pt (DeepSpeed)");
+}
+
+}  // namespace
+
+std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, const OpenOptions& opt) {
+  std::string path = path_in;
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  if (path.empty()) fail(ErrorCode::kInvalidArgument, "empty checkpoint path");
+  if (!io::exists(path)) fail(ErrorCode::kNotFound, "checkpoint path ", path, " does not exist");
+  if (!io::is_dir(path)) fail(ErrorCode::kInvalidArgument, path, " is a file; give the checkpoint folder");
+
+  // A step folder given directly.
+  const bool native_step = is_native_step(path), ds_step = !native_step && is_deepspeed_step(path);
+  if (native_step || ds_step) {
+    const std::string name = io::base_name(path);
+    if (!opt.step.empty() && opt.step != name) {
+      unsigned long long n;
+      if (!(all_digits(opt.step) && trailing_number(name, &n) && n == std::stoull(opt.step)))
+        fail(ErrorCode::kInvalidArgument, path, " is the step folder '", name, "' but step '", opt.step,
+             "' was asked; give the checkpoint root to choose a step");
+    }
+    return open_step(path, opt, {"a step folder was given; loading that step (" + name + ")"});
+  }
+
+  const std::vector<std::string> entries = io::list_dir(path);
+  if (entries.empty()) fail(ErrorCode::kInvalidArgument, path, " is an empty folder; no checkpoint there");
+  const std::vector<std::string> steps = list_steps(path);
+
+  std::string step;
+  std::vector<std::string> notes;
+  const std::string latest = io::join(path, native::kLatestFile);
+  const std::string megatron_latest = io::join(path, "latest_checkpointed_iteration.txt");
+  if (!opt.step.empty()) {
+    step = resolve_step(path, opt.step, steps);
+    notes.push_back("loading the asked step " + step);
+  } else if (io::is_file(latest)) {
+    step = trim(io::read_text(latest, 4096));
+    if (!plain_name(step))
+      fail(ErrorCode::kDataLoss, latest, " holds '", step, "', which is not a step folder name");
+    if (!io::is_dir(io::join(path, step)))
+      fail(ErrorCode::kNotFound, latest, " names step '", step, "' but ", io::join(path, step),
+           " does not exist; available steps: ", join_list(steps));
+    notes.push_back("`latest` names " + step);
+  } else if (io::is_file(megatron_latest)) {
+    std::string it = trim(io::read_text(megatron_latest, 4096));
+    if (!all_digits(it)) fail(ErrorCode::kDataLoss, megatron_latest, " holds '", it, "', not an iteration number");
+    char iter_name[64];
+    std::snprintf(iter_name, sizeof iter_name, "iter_%07llu", std::stoull(it));
+    const std::vector<std::string> candidates = {"global_step" + it, iter_name};
+    for (const auto& c : candidates)
+      if (io::is_dir(io::join(path, c))) step = c;
+    if (step.empty())
+      fail(ErrorCode::kNotFound, megatron_latest, " names iteration ", it, " but neither ",
+           io::join(path, candidates[0]), " nor ", io::join(path, candidates[1]), " exists; available steps: ",
+           join_list(steps));
+    notes.push_back("latest_checkpointed_iteration.txt names " + step);
+  } else if (!steps.empty()) {
+    fail(ErrorCode::kNotFound, path, " has no `latest` file and no step was asked; steps found: ", join_list(steps),
+         "; choose one (--step)");
+  } else {
+    fail(ErrorCode::kInvalidArgument, path, " is not a checkpoint folder: no ", native::kMetadataFile,
+         ", no `latest`, no step folders, no *_model_states.pt (it holds ", join_list(entries), ")");
+  }
+  return open_step(io::join(path, step), opt, std::move(notes));
+}
+
+}  // namespace reshard

@@ -1,0 +1,289 @@
+// Native checkpoint reader and verify_all.
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "formats/native/layout_json.h"
+#include "formats/native/native_internal.h"
+#include "formats/safetensors/safetensors.h"
+#include "io/file.h"
+#include "reshard/error.h"
+#include "reshard/native.h"
+
+namespace reshard {
+namespace native {
+namespace {
+
+std::string byte_range(uint64_t off, uint64_t len) {
+  return "bytes [" + std::to_string(off) + ", " + std::to_string(off + len) + ")";
+}
+
+class NativeReader final : public CheckpointReader {
+ public:
+  NativeReader(const std::string& step_dir, std::vector<std::string> notes) : dir_(step_dir), notes_(std::move(notes)) {
+    load();
+  }
+
+  std::string writer() const override { return "native"; }
+  std::string path() const override { return dir_; }
+  const SourceLayout& source() const override { return src_; }
+  const NonTensorState& state() const override { return state_; }
+  std::vector<std::string> notes() const override { return notes_; }
+
+  void read(int32_t file, uint64_t offset, uint64_t length, void* dst) const override {
+    if (file < 0 || size_t(file) >= src_.files.size())
+      fail(ErrorCode::kInvalidArgument, "read: file index ", file, " out of range (", src_.files.size(), " files) in ", dir_);
+    if (missing_[file]) fail(ErrorCode::kNotFound, "data file ", src_.files[file], " is missing");
+    handle(file).pread(offset, length, dst);
+  }
+
+  uint64_t file_size(int32_t file) const override {
+    if (file < 0 || size_t(file) >= src_.files.size())
+      fail(ErrorCode::kInvalidArgument, "file_size: file index ", file, " out of range (", src_.files.size(),
+           " files) in ", dir_);
+    if (missing_[file]) fail(ErrorCode::kNotFound, "data file ", src_.files[file], " is missing");
+    return io::file_size(src_.files[file]);
+  }
+
+  std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const override {
+    auto it = by_range_.find({file, offset, length});
+    if (it == by_range_.end()) return {};
+    const int p = it->second;
+    if (checksums_[p].empty()) return {};
+    std::string got = xxh3_hex(data, length);
+    if (got == checksums_[p]) return {};
+    return describe_piece(p) + ": xxh3 mismatch (stored " + checksums_[p] + ", computed " + got + ")";
+  }
+
+  /// "rank_00001.safetensors, buffer fp32/group0 (rank 1), piece of layers.0.x/fp32 [0:4, 0:8], bytes [a, b)".
+  std::string describe_piece(int p) const {
+    const Piece& pc = src_.layout.pieces[p];
+    const Buffer& b = src_.layout.buffers[pc.buffer];
+    const auto& loc = src_.locations[pc.buffer];
+    const size_t es = dtype_size(b.dtype);
+    uint64_t off = loc.byte_offset + uint64_t(pc.base) * es;
+    uint64_t len = uint64_t(piece_span(pc)) * es;
+    return file_names_[pc.buffer] + ": buffer " + b.name + " (rank " + std::to_string(b.rank) + "), tensor " +
+           src_.layout.arrays[pc.array].key() + " " + pc.box.to_string() + ", " + byte_range(off, len);
+  }
+
+  const std::vector<std::string>& checksums() const { return checksums_; }
+  /// (file name, size metadata records, actual size or -1 when missing)
+  struct FileCheck {
+    std::string name;
+    uint64_t expected = 0;
+    int64_t actual = -1;
+  };
+  const std::vector<FileCheck>& file_checks() const { return file_checks_; }
+
+ private:
+  const io::File& handle(int32_t file) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& h = handles_[file];
+    if (!h) h = std::make_unique<io::File>(io::File::open_read(src_.files[file]));
+    return *h;
+  }
+
+  void load() {
+    const std::string meta_path = io::join(dir_, kMetadataFile);
+    if (!io::is_file(meta_path)) fail(ErrorCode::kNotFound, "no ", kMetadataFile, " in ", dir_, " (not a native step folder)");
+    std::string text = io::read_text(meta_path);
+    json meta;
+    try {
+      meta = json::parse(text);
+    } catch (const json::exception& e) {
+      fail(ErrorCode::kDataLoss, meta_path, " is not valid JSON: ", e.what());
+    }
+    Field root(meta, "", meta_path);
+    if (root["format"].str() != kFormatName)
+      root["format"].bad("expected \"" + std::string(kFormatName) + "\", found \"" + root["format"].str() + "\"");
+    int64_t version = root["format_version"].i64();
+    if (version > kNativeFormatVersion)
+      fail(ErrorCode::kUnsupported, meta_path, ": format_version ", version, " is newer than this reshard reads (",
+           kNativeFormatVersion, "); upgrade reshard");
+    if (version < 1) root["format_version"].bad("must be >= 1");
+
+    std::vector<std::string> buffer_files;
+    src_.layout = layout_from_json(root, &buffer_files, &checksums_);
+    state_ = state_from_json(root["state"]);
+    file_names_ = buffer_files;
+
+    // Data files: plain names inside the step folder only.
+    Field files = root["files"];
+    std::map<std::string, int> file_index;
+    for (size_t i = 0; i < files.size(); ++i) {
+      std::string name = files[i]["name"].str();
+      int64_t bytes = files[i]["bytes"].i64();
+      if (!is_rank_file_name(name))
+        fail(ErrorCode::kInvalidArgument, meta_path, ": field 'files[", i, "].name' is '", name,
+             "'; only plain rank_NNNNN.safetensors names inside the step folder are allowed");
+      if (!file_index.emplace(name, int(i)).second)
+        fail(ErrorCode::kDataLoss, meta_path, ": field 'files[", i, "].name': '", name, "' listed twice");
+      src_.files.push_back(io::join(dir_, name));
+      file_checks_.push_back({name, uint64_t(bytes), -1});
+    }
+    const size_t nfiles = src_.files.size();
+    missing_.assign(nfiles, false);
+    handles_.resize(nfiles);
+
+    std::vector<std::vector<int>> buffers_of_file(nfiles);
+    for (size_t b = 0; b < buffer_files.size(); ++b) {
+      if (!is_rank_file_name(buffer_files[b]))
+        fail(ErrorCode::kInvalidArgument, meta_path, ": field 'buffers[", b, "].file' is '", buffer_files[b],
+             "'; only plain rank_NNNNN.safetensors names inside the step folder are allowed");
+      auto it = file_index.find(buffer_files[b]);
+      if (it == file_index.end())
+        fail(ErrorCode::kDataLoss, meta_path, ": field 'buffers[", b, "].file' names ", buffer_files[b],
+             ", which 'files' does not list");
+      buffers_of_file[it->second].push_back(int(b));
+    }
+
+    src_.locations.assign(src_.layout.buffers.size(), BufferLocation{});
+    for (size_t f = 0; f < nfiles; ++f) {
+      const std::string& path = src_.files[f];
+      if (!io::is_file(path)) {
+        missing_[f] = true;
+        std::string what;
+        for (size_t k = 0; k < buffers_of_file[f].size() && k < 4; ++k)
+          what += (k ? ", " : "") + src_.layout.buffers[buffers_of_file[f][k]].name;
+        if (buffers_of_file[f].size() > 4) what += ", ...";
+        notes_.push_back("missing data file " + path + " (" + std::to_string(buffers_of_file[f].size()) +
+                         " buffers" + (what.empty() ? "" : ": " + what) + "); what only it holds cannot be loaded");
+        continue;  // locations stay file = -1
+      }
+      io::File fh = io::File::open_read(path);  // reads open their own handle lazily
+      const uint64_t size = fh.size();
+      file_checks_[f].actual = int64_t(size);
+      const std::string size_text = size < file_checks_[f].expected
+                                        ? " (the file is truncated: " + std::to_string(size) +
+                                              " bytes, metadata records " + std::to_string(file_checks_[f].expected) + ")"
+                                        : " (" + std::to_string(size) + " bytes)";
+      if (size > file_checks_[f].expected)
+        notes_.push_back(path + " is " + std::to_string(size) + " bytes, metadata records " +
+                         std::to_string(file_checks_[f].expected) + " (trailing bytes; `verify` reports it)");
+      uint8_t prefix[8];
+      if (size < 8) fail(ErrorCode::kDataLoss, path, " is too short for a safetensors file", size_text);
+      fh.pread(0, 8, prefix);
+      const uint64_t n = safetensors::parse_header_size(prefix, size, path);
+      std::string htext(size_t(n), '\0');
+      fh.pread(8, n, htext.data());
+      safetensors::Header h = safetensors::parse_header(htext, path);
+      for (int b : buffers_of_file[f]) {
+        const Buffer& buf = src_.layout.buffers[b];
+        auto it = h.tensors.find(buf.name);
+        if (it == h.tensors.end())
+          fail(ErrorCode::kDataLoss, path, ": buffer ", buf.name, " (rank ", buf.rank, ") named by ", kMetadataFile,
+               " is not in the file");
+        const auto& t = it->second;
+        if (!t.rtype || *t.rtype != buf.dtype)
+          fail(ErrorCode::kDataLoss, path, ": buffer ", buf.name, " is ", t.dtype, " in the file but ",
+               dtype_name(buf.dtype), " in ", kMetadataFile);
+        if (t.numel() != buf.numel)
+          fail(ErrorCode::kDataLoss, path, ": buffer ", buf.name, " has ", t.numel(), " elements in the file but ",
+               buf.numel, " in ", kMetadataFile);
+        const uint64_t begin = h.data_start + t.begin, end = h.data_start + t.end;
+        if (end > size)
+          fail(ErrorCode::kDataLoss, path, ": buffer ", buf.name, " (rank ", buf.rank, ") ",
+               byte_range(begin, end - begin), " lies outside the file", size_text);
+        src_.locations[b] = {int32_t(f), begin};
+      }
+      if (h.data_start + h.buffer_size > size)
+        fail(ErrorCode::kDataLoss, path, ": the safetensors header describes ", h.buffer_size,
+             " data bytes from byte ", h.data_start, " but the file ends before that", size_text);
+      if (size < file_checks_[f].expected) fail(ErrorCode::kDataLoss, path, size_text);
+    }
+    // Checksummed ranges, for verify_range.
+    for (size_t p = 0; p < src_.layout.pieces.size(); ++p) {
+      const Piece& pc = src_.layout.pieces[p];
+      const auto& loc = src_.locations[pc.buffer];
+      if (loc.file < 0 || checksums_[p].empty()) continue;
+      const size_t es = dtype_size(src_.layout.buffers[pc.buffer].dtype);
+      by_range_.emplace(std::make_tuple(loc.file, loc.byte_offset + uint64_t(pc.base) * es,
+                                        uint64_t(piece_span(pc)) * es),
+                        int(p));
+    }
+  }
+
+  std::string dir_;
+  std::vector<std::string> notes_;
+  SourceLayout src_;
+  NonTensorState state_;
+  std::vector<std::string> checksums_;   // per piece
+  std::vector<std::string> file_names_;  // per buffer
+  std::vector<FileCheck> file_checks_;   // per file
+  std::vector<bool> missing_;
+  std::map<std::tuple<int32_t, uint64_t, uint64_t>, int> by_range_;
+  mutable std::mutex mu_;
+  mutable std::vector<std::unique_ptr<io::File>> handles_;
+};
+
+}  // namespace
+}  // namespace native
+
+std::unique_ptr<CheckpointReader> open_native(const std::string& step_dir, std::vector<std::string> notes) {
+  return std::make_unique<native::NativeReader>(step_dir, std::move(notes));
+}
+
+std::vector<std::string> verify_all(const CheckpointReader& reader) {
+  using native::NativeReader;
+  const auto* nat = dynamic_cast<const NativeReader*>(&reader);
+  const SourceLayout& src = reader.source();
+  std::vector<std::string> problems;
+  std::mutex mu;
+  auto report = [&](std::string s) {
+    std::lock_guard<std::mutex> lock(mu);
+    problems.push_back(std::move(s));
+  };
+  if (nat) {
+    for (const auto& fc : nat->file_checks()) {
+      const std::string path = io::join(reader.path(), fc.name);
+      if (fc.actual < 0) report(path + ": missing (metadata records " + std::to_string(fc.expected) + " bytes)");
+      else if (uint64_t(fc.actual) != fc.expected)
+        report(path + ": " + std::to_string(fc.actual) + " bytes, metadata records " + std::to_string(fc.expected));
+    }
+  } else {
+    for (size_t b = 0; b < src.layout.buffers.size(); ++b)
+      if (src.locations[b].file < 0)
+        report("buffer " + src.layout.buffers[b].name + " (rank " + std::to_string(src.layout.buffers[b].rank) +
+               "): its data file is missing");
+  }
+  // Every piece: read its byte range and check it (in parallel; reads are thread-safe).
+  std::vector<int> todo;
+  for (size_t p = 0; p < src.layout.pieces.size(); ++p)
+    if (src.locations[src.layout.pieces[p].buffer].file >= 0) todo.push_back(int(p));
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    std::vector<char> buf;
+    for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+      const int p = todo[k];
+      const Piece& pc = src.layout.pieces[p];
+      const Buffer& b = src.layout.buffers[pc.buffer];
+      const auto& loc = src.locations[pc.buffer];
+      const size_t es = dtype_size(b.dtype);
+      const uint64_t off = loc.byte_offset + uint64_t(pc.base) * es;
+      const uint64_t len = uint64_t(native::piece_span(pc)) * es;
+      try {
+        buf.resize(len);
+        reader.read(loc.file, off, len, buf.data());
+        std::string why = reader.verify_range(loc.file, off, len, buf.data());
+        if (!why.empty()) report(why);
+        else if (nat && nat->checksums()[p].empty()) report(nat->describe_piece(p) + ": no stored checksum");
+      } catch (const Error& e) {
+        report((nat ? nat->describe_piece(p) : "buffer " + b.name) + ": " + e.what());
+      }
+    }
+  };
+  const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  for (unsigned i = 1; i < n; ++i) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  std::sort(problems.begin(), problems.end());
+  return problems;
+}
+
+}  // namespace reshard

@@ -1,0 +1,378 @@
+// Native checkpoint writer: the atomic save protocol of docs/format.md.
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <sstream>
+
+#include "formats/native/layout_json.h"
+#include "formats/native/native_internal.h"
+#include "formats/safetensors/safetensors.h"
+#include "io/file.h"
+#include "reshard/error.h"
+#include "reshard/native.h"
+
+namespace reshard {
+namespace native {
+
+std::string rank_file_name(int rank) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "rank_%05d.safetensors", rank);
+  return buf;
+}
+
+bool is_rank_file_name(const std::string& n) {
+  const std::string pre = "rank_", suf = ".safetensors";
+  if (n.size() < pre.size() + suf.size() + 5) return false;
+  if (n.compare(0, pre.size(), pre) != 0 || n.compare(n.size() - suf.size(), suf.size(), suf) != 0) return false;
+  for (size_t i = pre.size(); i < n.size() - suf.size(); ++i)
+    if (n[i] < '0' || n[i] > '9') return false;
+  return true;
+}
+
+void check_step_name(const std::string& step) {
+  if (step.empty() || step == "." || step == ".." || step == kLatestFile || step[0] == '.' ||
+      step.find('/') != std::string::npos || step.find('\0') != std::string::npos || step.size() > 200)
+    fail(ErrorCode::kInvalidArgument, "step name '", step,
+         "' is not allowed: use a plain folder name (no '/', not starting with '.', not 'latest')");
+}
+
+std::string xxh3_hex(const void* data, size_t bytes) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits(data, bytes));
+  return buf;
+}
+
+std::string make_nonce() {
+  std::random_device rd;
+  uint64_t x = (uint64_t(rd()) << 32) ^ rd();
+  x ^= uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ull;
+  x ^= uint64_t(::getpid()) << 17;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)x);
+  return buf;
+}
+
+std::vector<std::vector<int>> pieces_by_buffer(const Layout& L) {
+  std::vector<std::vector<int>> out(L.buffers.size());
+  for (size_t i = 0; i < L.pieces.size(); ++i) out[L.pieces[i].buffer].push_back(int(i));
+  return out;
+}
+
+RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank,
+                               const std::vector<std::vector<int>>& by_buffer,
+                               const std::function<const void*(int buffer)>& ptr) {
+  std::vector<int> mine;
+  for (size_t b = 0; b < L.buffers.size(); ++b)
+    if (L.buffers[b].rank == rank) mine.push_back(int(b));
+  // Decreasing element size keeps every tensor aligned to its element size (as the reference
+  // safetensors writer does), since the data starts at a multiple of 8.
+  std::stable_sort(mine.begin(), mine.end(), [&](int a, int b) {
+    return dtype_size(L.buffers[a].dtype) > dtype_size(L.buffers[b].dtype);
+  });
+  std::vector<safetensors::TensorToWrite> tensors;
+  for (int b : mine) tensors.push_back({L.buffers[b].name, L.buffers[b].dtype, {L.buffers[b].numel}});
+  std::vector<std::pair<uint64_t, uint64_t>> offsets;
+  const std::string header = safetensors::build_header(tensors, {{"format", "reshard"}}, &offsets);
+
+  RankFileResult res;
+  const std::string path = io::join(dir, rank_file_name(rank));
+  io::File f = io::File::create(path);
+  f.pwrite(0, header.size(), header.data());
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const int b = mine[k];
+    const Buffer& buf = L.buffers[b];
+    const uint64_t bytes = offsets[k].second - offsets[k].first;
+    const char* src = static_cast<const char*>(ptr(b));
+    if (bytes > 0 && !src)
+      fail(ErrorCode::kInvalidArgument, "buffer ", buf.name, " of rank ", rank, " has no data (null pointer)");
+    f.pwrite(header.size() + offsets[k].first, bytes, src);
+    const size_t es = dtype_size(buf.dtype);
+    for (int p : by_buffer[b]) {
+      const Piece& pc = L.pieces[p];
+      res.checksums.push_back({p, xxh3_hex(src + uint64_t(pc.base) * es, uint64_t(piece_span(pc)) * es)});
+    }
+  }
+  res.bytes = header.size() + (offsets.empty() ? 0 : offsets.back().second);
+  f.fsync();
+  f.close();
+  return res;
+}
+
+namespace {
+
+std::string build_metadata(const std::string& step, const Layout& L, const NonTensorState& state,
+                           const std::vector<std::string>& checksums, const std::vector<uint64_t>& file_bytes) {
+  std::vector<std::string> buffer_files;
+  for (const auto& b : L.buffers) buffer_files.push_back(rank_file_name(b.rank));
+  json meta = {{"format", kFormatName}, {"format_version", kNativeFormatVersion}, {"writer", "reshard native writer"},
+               {"step", step}};
+  json lj = layout_to_json(L, buffer_files, checksums);
+  for (auto it = lj.begin(); it != lj.end(); ++it) meta[it.key()] = it.value();
+  meta["checksum"] = "xxh3-64";
+  meta["state"] = state_to_json(state);
+  json files = json::array();
+  for (size_t r = 0; r < file_bytes.size(); ++r) files.push_back({{"name", rank_file_name(int(r))}, {"bytes", file_bytes[r]}});
+  meta["files"] = files;
+  return meta.dump(1) + "\n";
+}
+
+bool is_leftover_of(const std::string& name, const std::string& prefix) {
+  // prefix + 16 hex digits: a temporary of an earlier save of the same step.
+  if (name.size() != prefix.size() + 16 || name.compare(0, prefix.size(), prefix) != 0) return false;
+  for (size_t i = prefix.size(); i < name.size(); ++i)
+    if (!std::isxdigit(static_cast<unsigned char>(name[i]))) return false;
+  return true;
+}
+
+/// Rank 0's part after every data file is written and fsynced: metadata, rename, latest.
+void commit_step(const std::string& root, const std::string& step, const std::string& tmpdir,
+                 const std::string& nonce, const std::string& metadata) {
+  io::write_text(io::join(tmpdir, kMetadataFile), metadata);
+  io::fsync_dir(tmpdir);
+  const std::string final_dir = io::join(root, step);
+  if (io::exists(final_dir)) {
+    // Swap the new folder in atomically; the old one ends up at tmpdir and is removed.
+    if (io::exchange_paths(tmpdir, final_dir)) {
+      io::fsync_dir(root);
+      io::remove_all(tmpdir);
+    } else {  // no RENAME_EXCHANGE on this filesystem: a short window without ROOT/<step>
+      const std::string aside = io::join(root, ".old-" + step + "-" + nonce);
+      io::rename_path(final_dir, aside);
+      io::rename_path(tmpdir, final_dir);
+      io::fsync_dir(root);
+      io::remove_all(aside);
+    }
+  } else {
+    io::rename_path(tmpdir, final_dir);
+    io::fsync_dir(root);
+  }
+  const std::string tmp_latest = io::join(root, ".latest-" + nonce);
+  io::write_text(tmp_latest, step + "\n");
+  io::rename_path(tmp_latest, io::join(root, kLatestFile));
+  io::fsync_dir(root);
+  // Leftovers of earlier crashed saves of this step.
+  for (const auto& n : io::list_dir(root)) {
+    if (is_leftover_of(n, ".tmp-" + step + "-") || is_leftover_of(n, ".old-" + step + "-")) {
+      try {
+        io::remove_all(io::join(root, n));
+      } catch (const Error&) {
+      }
+    }
+  }
+}
+
+// Error strings travel between ranks as "<code>|<message>".
+std::string encode_error(const Error& e) { return std::to_string(int(e.code())) + "|" + e.what(); }
+
+/// Collective: raises on every rank when any rank reports an error ("" = fine).
+void agree(Communicator& comm, const std::string& err, const std::string& what) {
+  std::vector<std::string> all = comm.all_gather_strings(err);
+  std::string msg;
+  int code = -1;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    auto bar = all[r].find('|');
+    int c = std::atoi(all[r].substr(0, bar).c_str());
+    if (code < 0) code = c;
+    msg += (msg.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + all[r].substr(bar + 1);
+  }
+  if (code >= 0) fail(all.size() == 1 ? ErrorCode(code) : ErrorCode::kFailedPrecondition, what, ": ", msg);
+}
+
+template <typename Fn>
+std::string try_local(Fn fn) {
+  try {
+    fn();
+    return {};
+  } catch (const Error& e) {
+    return encode_error(e);
+  } catch (const std::exception& e) {
+    return std::to_string(int(ErrorCode::kInternal)) + "|" + e.what();
+  }
+}
+
+std::string ranges_text(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (out.empty() ? "" : ", ") + std::to_string(ranks[i]);
+    if (j > i) out += "-" + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+void save_all_ranks_with(const std::string& root, const std::string& step, const Layout& L, const NonTensorState& state,
+                         const std::function<std::vector<const void*>(int rank)>& provide) {
+  check_step_name(step);
+  io::make_dirs(root);
+  const std::string nonce = make_nonce();
+  const std::string tmpdir = io::join(root, ".tmp-" + step + "-" + nonce);
+  io::make_dirs(tmpdir);
+  try {
+    const auto by_buffer = pieces_by_buffer(L);
+    const int world = L.topo.world_size();
+    std::vector<std::string> checksums(L.pieces.size());
+    std::vector<uint64_t> bytes(world);
+    for (int r = 0; r < world; ++r) {
+      std::vector<const void*> ptrs = provide(r);
+      if (ptrs.size() != L.buffers.size())
+        fail(ErrorCode::kInvalidArgument, "save: ", ptrs.size(), " buffer pointers for a layout of ", L.buffers.size(),
+             " buffers");
+      RankFileResult res = write_rank_file(tmpdir, L, r, by_buffer, [&](int b) { return ptrs[b]; });
+      bytes[r] = res.bytes;
+      for (auto& [p, h] : res.checksums) checksums[p] = std::move(h);
+    }
+    commit_step(root, step, tmpdir, nonce, build_metadata(step, L, state, checksums, bytes));
+  } catch (...) {
+    try {
+      io::remove_all(tmpdir);
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+}  // namespace native
+
+std::string fs_check_failures(const std::vector<std::vector<bool>>& seen, const std::string& root) {
+  const int n = int(seen.size());
+  // Group observers by the set of ranks they cannot see.
+  std::vector<std::pair<std::vector<int>, std::vector<int>>> groups;  // (missing, observers)
+  for (int r = 0; r < n; ++r) {
+    std::vector<int> missing;
+    for (int q = 0; q < n; ++q)
+      if (q >= int(seen[r].size()) || !seen[r][q]) missing.push_back(q);
+    if (missing.empty()) continue;
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == missing; });
+    if (it == groups.end()) groups.push_back({missing, {r}});
+    else it->second.push_back(r);
+  }
+  if (groups.empty()) return {};
+  std::string msg = "ranks see different filesystems at " + root + ": ";
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (i == 8) {
+      msg += "; and " + std::to_string(groups.size() - 8) + " more";
+      break;
+    }
+    const auto& [missing, obs] = groups[i];
+    msg += (i ? "; " : "") + std::string(obs.size() == 1 ? "rank " : "ranks ") + native::ranges_text(obs) +
+           " cannot see the files of " + (missing.size() == 1 ? "rank " : "ranks ") + native::ranges_text(missing);
+  }
+  msg += "; a multi-node save onto node-local disks would lose shards";
+  return msg;
+}
+
+void save_native(const std::string& root, const std::string& step, const Layout& L,
+                 const std::vector<const void*>& buffers, const NonTensorState& state, Communicator& comm) {
+  using namespace native;
+  check_step_name(step);
+  const int rank = comm.rank(), world = comm.size();
+  if (world != L.topo.world_size())
+    fail(ErrorCode::kInvalidArgument, "save_native: the communicator has ", world, " ranks but the layout (",
+         L.topo.to_string(), ") has ", L.topo.world_size());
+  if (buffers.size() != L.buffers.size())
+    fail(ErrorCode::kInvalidArgument, "save_native: ", buffers.size(), " buffer pointers for a layout of ",
+         L.buffers.size(), " buffers");
+  const std::string what = "saving step " + step + " to " + root;
+
+  agree(comm, try_local([&] {
+          for (size_t b = 0; b < L.buffers.size(); ++b)
+            if (L.buffers[b].rank == rank && L.buffers[b].numel > 0 && !buffers[b])
+              fail(ErrorCode::kInvalidArgument, "buffer ", L.buffers[b].name, " of rank ", rank, " is null");
+          io::make_dirs(root);
+        }),
+        what);
+  const std::string nonce = comm.all_gather_strings(rank == 0 ? make_nonce() : std::string()).at(0);
+
+  // (1) Same filesystem: every rank must see every rank's token.
+  auto token = [&](int r) { return io::join(root, ".reshard-fscheck-" + nonce + "-" + std::to_string(r)); };
+  agree(comm, try_local([&] { io::write_text(token(rank), std::to_string(rank) + "\n"); }), what);
+  std::string row(size_t(world), '0');
+  for (int q = 0; q < world; ++q) row[q] = io::exists(token(q)) ? '1' : '0';
+  std::vector<std::string> rows = comm.all_gather_strings(row);  // every rank has checked now
+  try {
+    io::remove_all(token(rank));
+  } catch (const Error&) {
+  }
+  std::vector<std::vector<bool>> seen(world, std::vector<bool>(world, false));
+  for (int r = 0; r < world; ++r)
+    for (int q = 0; q < world && q < int(rows[r].size()); ++q) seen[r][q] = rows[r][q] == '1';
+  std::string fs_err = fs_check_failures(seen, root);
+  if (!fs_err.empty()) fail(ErrorCode::kFailedPrecondition, fs_err);
+
+  // (2) Data files into the temporary folder.
+  const std::string tmpdir = io::join(root, ".tmp-" + step + "-" + nonce);
+  auto cleanup = [&] {
+    if (rank == 0) {
+      try {
+        io::remove_all(tmpdir);
+      } catch (...) {
+      }
+    }
+  };
+  agree(comm, rank == 0 ? try_local([&] { io::make_dirs(tmpdir); }) : std::string(), what);
+  const auto by_buffer = pieces_by_buffer(L);
+  RankFileResult mine;
+  std::string err = try_local([&] {
+    mine = write_rank_file(tmpdir, L, rank, by_buffer, [&](int b) { return buffers[b]; });
+  });
+  std::ostringstream report;
+  if (err.empty()) {
+    report << "ok " << mine.bytes;
+    for (const auto& [p, h] : mine.checksums) report << ' ' << p << ':' << h;
+  }
+  std::vector<std::string> reports = comm.all_gather_strings(err.empty() ? report.str() : "err " + err);
+  std::string errors;
+  for (int r = 0; r < world; ++r) {
+    if (reports[r].compare(0, 4, "err ") == 0) {
+      std::string e = reports[r].substr(4);
+      errors += (errors.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + e.substr(e.find('|') + 1);
+    }
+  }
+  if (!errors.empty()) {
+    cleanup();
+    comm.barrier();
+    fail(ErrorCode::kFailedPrecondition, what, ": ", errors);
+  }
+
+  // (3) Rank 0 commits.
+  std::string commit_err;
+  if (rank == 0) {
+    commit_err = try_local([&] {
+      std::vector<std::string> checksums(L.pieces.size());
+      std::vector<uint64_t> bytes(world);
+      for (int r = 0; r < world; ++r) {
+        std::istringstream in(reports[r]);
+        std::string ok, item;
+        in >> ok >> bytes[r];
+        while (in >> item) {
+          auto colon = item.find(':');
+          size_t p = std::stoul(item.substr(0, colon));
+          RESHARD_CHECK(p < checksums.size(), "piece index from rank ", r);
+          checksums[p] = item.substr(colon + 1);
+        }
+      }
+      commit_step(root, step, tmpdir, nonce, build_metadata(step, L, state, checksums, bytes));
+    });
+    if (!commit_err.empty()) cleanup();
+  }
+  agree(comm, commit_err, what);
+}
+
+void save_native_all_ranks(const std::string& root, const std::string& step, const Layout& layout,
+                           const std::vector<const void*>& buffers, const NonTensorState& state) {
+  if (buffers.size() != layout.buffers.size())
+    fail(ErrorCode::kInvalidArgument, "save_native_all_ranks: ", buffers.size(), " buffer pointers for a layout of ",
+         layout.buffers.size(), " buffers");
+  native::save_all_ranks_with(root, step, layout, state, [&](int) { return buffers; });
+}
+
+}  // namespace reshard

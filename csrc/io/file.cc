@@ -1,0 +1,239 @@
+#include "io/file.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "reshard/error.h"
+
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1)
+#endif
+
+namespace reshard::io {
+namespace {
+
+[[noreturn]] void fail_errno(int err, const std::string& what) {
+  ErrorCode code = ErrorCode::kInvalidArgument;
+  if (err == ENOENT || err == ENOTDIR) code = ErrorCode::kNotFound;
+  else if (err == EIO || err == ENOSPC || err == EDQUOT || err == EROFS || err == ESTALE) code = ErrorCode::kDataLoss;
+  fail(code, what, ": ", std::strerror(err));
+}
+
+std::string range(uint64_t offset, uint64_t length) {
+  return "bytes [" + std::to_string(offset) + ", " + std::to_string(offset + length) + ")";
+}
+
+}  // namespace
+
+File File::open_read(const std::string& path) {
+  int fd;
+  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) fail_errno(errno, "cannot open " + path + " for reading");
+  struct stat st;
+  if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    fail(ErrorCode::kInvalidArgument, "cannot open ", path, " for reading: it is a folder");
+  }
+  return File(fd, path);
+}
+
+File File::create(const std::string& path) {
+  int fd;
+  do fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) fail_errno(errno, "cannot create " + path);
+  return File(fd, path);
+}
+
+File::File(File&& o) noexcept : fd_(o.fd_), path_(std::move(o.path_)) { o.fd_ = -1; }
+
+File& File::operator=(File&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    path_ = std::move(o.path_);
+    o.fd_ = -1;
+  }
+  return *this;
+}
+
+File::~File() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void File::close() {
+  if (fd_ < 0) return;
+  int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0 && errno != EINTR) fail_errno(errno, "cannot close " + path_);
+}
+
+uint64_t File::size() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) fail_errno(errno, "cannot stat " + path_);
+  return uint64_t(st.st_size);
+}
+
+void File::pread(uint64_t offset, uint64_t length, void* dst) const {
+  char* p = static_cast<char*>(dst);
+  uint64_t done = 0;
+  while (done < length) {
+    size_t chunk = size_t(std::min<uint64_t>(length - done, uint64_t(1) << 30));
+    ssize_t n = ::pread(fd_, p + done, chunk, off_t(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail_errno(errno, "cannot read " + range(offset, length) + " of " + path_);
+    }
+    if (n == 0)
+      fail(ErrorCode::kDataLoss, "short read of ", path_, ": ", range(offset, length), " requested, file ends at byte ",
+           offset + done, " (truncated?)");
+    done += uint64_t(n);
+  }
+}
+
+void File::pwrite(uint64_t offset, uint64_t length, const void* src) {
+  const char* p = static_cast<const char*>(src);
+  uint64_t done = 0;
+  while (done < length) {
+    size_t chunk = size_t(std::min<uint64_t>(length - done, uint64_t(1) << 30));
+    ssize_t n = ::pwrite(fd_, p + done, chunk, off_t(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail_errno(errno, "cannot write " + range(offset, length) + " of " + path_);
+    }
+    if (n == 0) fail(ErrorCode::kDataLoss, "cannot write ", range(offset, length), " of ", path_, ": no progress");
+    done += uint64_t(n);
+  }
+}
+
+void File::fsync() {
+  while (::fsync(fd_) != 0) {
+    if (errno == EINTR) continue;
+    fail_errno(errno, "cannot fsync " + path_);
+  }
+}
+
+void fsync_dir(const std::string& path) {
+  int fd;
+  do fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) fail_errno(errno, "cannot open folder " + path + " to fsync it");
+  int rc;
+  do rc = ::fsync(fd);
+  while (rc != 0 && errno == EINTR);
+  int err = errno;
+  ::close(fd);
+  // Some filesystems refuse fsync on folders (EINVAL); their renames are durable by other means.
+  if (rc != 0 && err != EINVAL && err != EROFS) fail_errno(err, "cannot fsync folder " + path);
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+bool is_dir(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool is_file(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+uint64_t file_size(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) fail_errno(errno, "cannot stat " + path);
+  return uint64_t(st.st_size);
+}
+
+std::vector<std::string> list_dir(const std::string& path) {
+  DIR* d = ::opendir(path.c_str());
+  if (!d) fail_errno(errno, "cannot list folder " + path);
+  std::vector<std::string> out;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") out.push_back(n);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void make_dirs(const std::string& path) {
+  if (path.empty() || is_dir(path)) return;
+  auto slash = path.find_last_of('/');
+  if (slash != std::string::npos && slash > 0) make_dirs(path.substr(0, slash));
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) fail_errno(errno, "cannot create folder " + path);
+  if (!is_dir(path)) fail(ErrorCode::kInvalidArgument, "cannot create folder ", path, ": a file is in the way");
+}
+
+void rename_path(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) fail_errno(errno, "cannot rename " + from + " to " + to);
+}
+
+bool exchange_paths(const std::string& a, const std::string& b) {
+#ifdef SYS_renameat2
+  long rc = ::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE);
+  if (rc == 0) return true;
+  if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) return false;
+  fail_errno(errno, "cannot exchange " + a + " and " + b);
+#else
+  return false;
+#endif
+}
+
+void remove_all(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;
+    fail_errno(errno, "cannot stat " + path);
+  }
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& n : list_dir(path)) remove_all(join(path, n));
+    if (::rmdir(path.c_str()) != 0 && errno != ENOENT) fail_errno(errno, "cannot remove folder " + path);
+  } else if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    fail_errno(errno, "cannot remove " + path);
+  }
+}
+
+std::string read_text(const std::string& path, uint64_t max_bytes) {
+  File f = File::open_read(path);
+  uint64_t n = f.size();
+  if (n > max_bytes) fail(ErrorCode::kInvalidArgument, path, " is ", n, " bytes, more than the limit of ", max_bytes);
+  std::string s(size_t(n), '\0');
+  f.pread(0, n, s.data());
+  return s;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  File f = File::create(path);
+  f.pwrite(0, text.size(), text.data());
+  f.fsync();
+  f.close();
+}
+
+std::string join(const std::string& a, const std::string& b) {
+  if (a.empty()) return b;
+  if (a.back() == '/') return a + b;
+  return a + "/" + b;
+}
+
+std::string base_name(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  auto slash = p.find_last_of('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+}  // namespace reshard::io

@@ -1,0 +1,608 @@
+// Native format: save -> open -> read round trips, checksums, damaged folders, open_checkpoint's
+// path cases, the same-filesystem check, and synth.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "formats/safetensors/safetensors.h"
+#include "io/file.h"
+#include "reshard/native.h"
+#include "unit/core_harness.h"
+#include "unit/test_util.h"
+
+namespace reshard {
+namespace {
+
+using nlohmann::json;
+using testing::MemCheckpoint;
+
+ModelConfig small_model() {
+  ModelConfig m;
+  m.name = "tiny";
+  m.num_layers = 4;
+  m.hidden = 16;
+  m.heads = 4;
+  m.query_groups = 2;
+  m.ffn = 32;
+  m.vocab = 50;
+  m.vocab_divisible_by = 8;
+  m.swiglu = true;
+  m.tp_gt_groups = QkvVariant::kReplicateKv;
+  m.param_dtype = DType::BF16;
+  return m;
+}
+
+Layout saved_layout(const ModelConfig& m, const std::string& topo) {
+  DeriveOptions o;
+  o.weights_on_dp0_only = true;
+  return derive_layout(m, Topology::parse(topo), o);
+}
+
+std::vector<const void*> const_ptrs(MemCheckpoint& mem) {
+  std::vector<const void*> out;
+  for (auto& b : mem.bufs) out.push_back(b.data());
+  return out;
+}
+
+// Byte range of a piece in its file.
+std::pair<uint64_t, uint64_t> piece_bytes(const SourceLayout& s, const Piece& p) {
+  const size_t es = dtype_size(s.layout.buffers[p.buffer].dtype);
+  int64_t span = 1;
+  for (int d = 0; d < p.box.ndim; ++d) span += (p.box.len[d] - 1) * p.strides[d];
+  return {s.locations[p.buffer].byte_offset + uint64_t(p.base) * es, uint64_t(span) * es};
+}
+
+std::string expect_error(ErrorCode code, const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(error_code_name(e.code()), std::string(error_code_name(code))) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected Error(" << error_code_name(code) << ")";
+  return {};
+}
+
+#define EXPECT_HAS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
+
+json load_json(const std::string& path) { return json::parse(io::read_text(path)); }
+void store_json(const std::string& path, const json& j) {
+  std::ofstream(path, std::ios::trunc) << j.dump(1);
+}
+
+NonTensorState some_state() {
+  NonTensorState s;
+  s.iteration = 20;
+  s.consumed_samples = 160;
+  s.step = 20;
+  s.json = R"({"loss_scale": 65536.0, "lr": {"last": 0.0001}})";
+  s.per_rank[0] = std::string("\x00\x01\xff binary", 10);
+  s.per_rank[3] = "{\"rng\": 7}";
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(NativeFormat, RoundTripAllRanks) {
+  const ModelConfig m = small_model();
+  for (const char* topo : {"tp=2,pp=2,dp=2,zero=1", "tp=2,dp=2,zero=0", "tp=1,dp=4,zero=3", "tp=4,pp=1,dp=1,zero=2"}) {
+    SCOPED_TRACE(topo);
+    const Layout L = saved_layout(m, topo);
+    MemCheckpoint mem(L);
+    mem.fill_truth(L);
+    const std::string root = testing::make_temp_dir("native_rt_");
+    const NonTensorState st = some_state();
+    save_native_all_ranks(root, "step-20", L, const_ptrs(mem), st);
+
+    EXPECT_EQ(io::read_text(io::join(root, "latest")), "step-20\n");
+    auto r = open_checkpoint(root);
+    EXPECT_EQ(r->writer(), "native");
+    EXPECT_EQ(r->path(), io::join(root, "step-20"));
+    const SourceLayout& s = r->source();
+    // The layout comes back field by field.
+    EXPECT_EQ(s.layout.topo, L.topo);
+    ASSERT_EQ(s.layout.buffers.size(), L.buffers.size());
+    ASSERT_EQ(s.layout.pieces.size(), L.pieces.size());
+    ASSERT_EQ(s.layout.arrays.size(), L.arrays.size());
+    ASSERT_EQ(s.layout.tensors.size(), L.tensors.size());
+    for (size_t i = 0; i < L.buffers.size(); ++i) {
+      EXPECT_EQ(s.layout.buffers[i].name, L.buffers[i].name);
+      EXPECT_EQ(s.layout.buffers[i].rank, L.buffers[i].rank);
+      EXPECT_EQ(s.layout.buffers[i].dtype, L.buffers[i].dtype);
+      EXPECT_EQ(s.layout.buffers[i].numel, L.buffers[i].numel);
+      EXPECT_EQ(s.layout.buffers[i].state, L.buffers[i].state);
+      EXPECT_EQ(s.layout.buffers[i].group, L.buffers[i].group);
+      EXPECT_GE(s.locations[i].file, 0);
+    }
+    for (size_t i = 0; i < L.pieces.size(); ++i) {
+      const Piece &a = s.layout.pieces[i], &b = L.pieces[i];
+      EXPECT_EQ(a.array, b.array);
+      EXPECT_EQ(a.buffer, b.buffer);
+      EXPECT_TRUE(a.box == b.box);
+      EXPECT_EQ(a.base, b.base);
+      EXPECT_EQ(a.strides, b.strides);
+    }
+    for (size_t i = 0; i < L.arrays.size(); ++i) {
+      EXPECT_EQ(s.layout.arrays[i].key(), L.arrays[i].key());
+      EXPECT_EQ(s.layout.arrays[i].shape, L.arrays[i].shape);
+      EXPECT_EQ(s.layout.arrays[i].real_rows, L.arrays[i].real_rows);
+    }
+    for (size_t i = 0; i < L.tensors.size(); ++i) {
+      EXPECT_EQ(s.layout.tensors[i].name, L.tensors[i].name);
+      EXPECT_EQ(s.layout.tensors[i].shape, L.tensors[i].shape);
+      EXPECT_EQ(s.layout.tensors[i].split, L.tensors[i].split);
+      EXPECT_EQ(s.layout.tensors[i].owner, L.tensors[i].owner);
+      EXPECT_EQ(s.layout.tensors[i].no_weight_decay, L.tensors[i].no_weight_decay);
+    }
+    ASSERT_EQ(s.layout.flat_groups.size(), L.flat_groups.size());
+    for (size_t i = 0; i < L.flat_groups.size(); ++i) {
+      ASSERT_EQ(s.layout.flat_groups[i].size(), L.flat_groups[i].size());
+      for (size_t g = 0; g < L.flat_groups[i].size(); ++g) {
+        EXPECT_EQ(s.layout.flat_groups[i][g].numel, L.flat_groups[i][g].numel);
+        EXPECT_EQ(s.layout.flat_groups[i][g].partition_size, L.flat_groups[i][g].partition_size);
+        ASSERT_EQ(s.layout.flat_groups[i][g].entries.size(), L.flat_groups[i][g].entries.size());
+        for (size_t e = 0; e < L.flat_groups[i][g].entries.size(); ++e) {
+          EXPECT_EQ(s.layout.flat_groups[i][g].entries[e].tensor, L.flat_groups[i][g].entries[e].tensor);
+          EXPECT_EQ(s.layout.flat_groups[i][g].entries[e].offset, L.flat_groups[i][g].entries[e].offset);
+        }
+      }
+    }
+    EXPECT_EQ(s.layout.model.hidden, m.hidden);
+    EXPECT_EQ(s.layout.model.swiglu, m.swiglu);
+    EXPECT_EQ(s.layout.model.query_groups, m.query_groups);
+    EXPECT_EQ(s.layout.model.param_dtype, m.param_dtype);
+    // Non-tensor state.
+    EXPECT_EQ(r->state().iteration, 20);
+    EXPECT_EQ(r->state().consumed_samples, 160);
+    EXPECT_EQ(r->state().step, 20);
+    EXPECT_EQ(json::parse(r->state().json), json::parse(st.json));
+    EXPECT_EQ(r->state().per_rank, st.per_rank);
+
+    // Every piece reads back what was saved, and its checksum matches.
+    for (const Piece& p : s.layout.pieces) {
+      auto [off, len] = piece_bytes(s, p);
+      std::vector<uint8_t> got(len);
+      r->read(s.locations[p.buffer].file, off, len, got.data());
+      const size_t es = dtype_size(L.buffers[p.buffer].dtype);
+      ASSERT_EQ(0, std::memcmp(got.data(), mem.bufs[p.buffer].data() + p.base * es, len)) << L.buffers[p.buffer].name;
+      EXPECT_EQ(r->verify_range(s.locations[p.buffer].file, off, len, got.data()), "");
+    }
+    EXPECT_TRUE(verify_all(*r).empty());
+    // Whole buffers too (flat padding included).
+    for (size_t b = 0; b < L.buffers.size(); ++b) {
+      std::vector<uint8_t> got(mem.bufs[b].size());
+      r->read(s.locations[b].file, s.locations[b].byte_offset, got.size(), got.data());
+      EXPECT_EQ(got, mem.bufs[b]);
+    }
+    // No temporaries left behind.
+    for (const auto& n : io::list_dir(root)) EXPECT_TRUE(n == "latest" || n == "step-20") << n;
+    io::remove_all(root);
+  }
+}
+
+TEST(NativeFormat, DataFilesAreValidAlignedSafetensors) {
+  const ModelConfig m = small_model();
+  const std::string root = testing::make_temp_dir("native_st_");
+  synth_checkpoint(root, m, Topology::parse("tp=2,dp=2,zero=1"), 3);
+  auto r = open_checkpoint(root);
+  for (const auto& path : r->source().files) {
+    std::string bytes = io::read_text(path);
+    ASSERT_GE(bytes.size(), 8u);
+    uint64_t n = safetensors::parse_header_size(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
+    EXPECT_EQ((8 + n) % 8, 0u);
+    auto h = safetensors::parse_header(std::string_view(bytes).substr(8, n), path);
+    EXPECT_EQ(h.data_start + h.buffer_size, bytes.size());
+    for (const auto& [name, t] : h.tensors) {
+      ASSERT_TRUE(t.rtype.has_value());
+      EXPECT_EQ(t.begin % dtype_size(*t.rtype), 0u) << name;
+      EXPECT_EQ(t.shape.size(), 1u);
+    }
+  }
+  io::remove_all(root);
+}
+
+TEST(NativeFormat, CollectiveSaveWithLocalCommunicator) {
+  const ModelConfig m = small_model();
+  const Layout L = saved_layout(m, "tp=1,dp=1,zero=1");
+  MemCheckpoint mem(L);
+  mem.fill_truth(L);
+  const std::string root = testing::make_temp_dir("native_coll_");
+  auto comm = make_local_communicator();
+  save_native(root, "step-1", L, const_ptrs(mem), some_state(), *comm);
+  save_native(root, "step-2", L, const_ptrs(mem), some_state(), *comm);
+  save_native(root, "step-2", L, const_ptrs(mem), some_state(), *comm);  // overwrite: exchanged in place
+  EXPECT_EQ(io::list_dir(root), (std::vector<std::string>{"latest", "step-1", "step-2"}));  // no tokens, no temps
+  auto r = open_checkpoint(root);
+  EXPECT_EQ(io::base_name(r->path()), "step-2");
+  EXPECT_TRUE(verify_all(*r).empty());
+  // A layout of another world size is refused before anything is written.
+  const Layout L4 = saved_layout(m, "tp=2,dp=2,zero=1");
+  MemCheckpoint mem4(L4);
+  std::string msg = expect_error(ErrorCode::kInvalidArgument,
+                                 [&] { save_native(root, "step-3", L4, const_ptrs(mem4), some_state(), *comm); });
+  EXPECT_HAS(msg, "1 ranks");
+  for (const char* bad : {"", ".", "..", "latest", "a/b", ".hidden"})
+    expect_error(ErrorCode::kInvalidArgument, [&] { save_native(root, bad, L, const_ptrs(mem), some_state(), *comm); });
+  EXPECT_FALSE(io::exists(io::join(root, "step-3")));
+  io::remove_all(root);
+}
+
+TEST(NativeFormat, FsCheckFailuresNamesRanks) {
+  std::vector<std::vector<bool>> ok(8, std::vector<bool>(8, true));
+  EXPECT_EQ(fs_check_failures(ok, "/ckpt"), "");
+  // Two nodes with local disks: ranks 0-3 see 0-3, ranks 4-7 see 4-7.
+  std::vector<std::vector<bool>> split(8, std::vector<bool>(8, false));
+  for (int r = 0; r < 8; ++r)
+    for (int q = 0; q < 8; ++q) split[r][q] = (r < 4) == (q < 4);
+  std::string msg = fs_check_failures(split, "/ckpt");
+  EXPECT_HAS(msg, "ranks see different filesystems at /ckpt: ");
+  EXPECT_HAS(msg, "ranks 0-3 cannot see the files of ranks 4-7");
+  EXPECT_HAS(msg, "ranks 4-7 cannot see the files of ranks 0-3");
+  EXPECT_HAS(msg, "a multi-node save onto node-local disks would lose shards");
+  // Only rank 0 is blind to 4-7.
+  auto one = ok;
+  for (int q = 4; q < 8; ++q) one[0][q] = false;
+  msg = fs_check_failures(one, "/ckpt");
+  EXPECT_HAS(msg, "rank 0 cannot see the files of ranks 4-7");
+  EXPECT_EQ(msg.find("rank 1"), std::string::npos) << msg;
+  // Non-contiguous sets.
+  auto odd = ok;
+  odd[2][1] = odd[2][3] = odd[2][5] = odd[2][6] = false;
+  EXPECT_HAS(fs_check_failures(odd, "/x"), "rank 2 cannot see the files of ranks 1, 3, 5-6");
+}
+
+TEST(NativeFormat, ChecksumDetectsFlippedByte) {
+  const ModelConfig m = small_model();
+  const std::string root = testing::make_temp_dir("native_flip_");
+  synth_checkpoint(root, m, Topology::parse("tp=2,dp=2,zero=1"), 11);
+  const std::string file = io::join(root, "step-1/rank_00001.safetensors");
+  std::string buf_name, byte_text;
+  {
+    auto r = open_checkpoint(root);
+    ASSERT_TRUE(verify_all(*r).empty());
+    const auto& s = r->source();
+    // A piece in rank 1's fp32 partition.
+    for (const Piece& p : s.layout.pieces) {
+      const Buffer& b = s.layout.buffers[p.buffer];
+      if (b.rank != 1 || b.state != StateKind::kMaster) continue;
+      auto [off, len] = piece_bytes(s, p);
+      buf_name = b.name;
+      byte_text = "bytes [" + std::to_string(off) + ", " + std::to_string(off + len) + ")";
+      // Flip one byte in the middle of it.
+      std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(std::streamoff(off + len / 2));
+      char c;
+      f.get(c);
+      f.seekp(std::streamoff(off + len / 2));
+      f.put(char(c ^ 0x10));
+      break;
+    }
+  }
+  ASSERT_FALSE(buf_name.empty());
+  auto r = open_checkpoint(root);
+  auto problems = verify_all(*r);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_HAS(problems[0], "rank_00001.safetensors");
+  EXPECT_HAS(problems[0], "buffer " + buf_name);
+  EXPECT_HAS(problems[0], byte_text);
+  EXPECT_HAS(problems[0], "xxh3 mismatch");
+  io::remove_all(root);
+}
+
+TEST(NativeFormat, MissingRankFileIsReportedByThePlanner) {
+  const ModelConfig m = small_model();
+  const Topology t = Topology::parse("tp=2,dp=1,zero=1");
+  const std::string root = testing::make_temp_dir("native_missing_");
+  synth_checkpoint(root, m, t, 5);
+  ASSERT_EQ(::unlink(io::join(root, "step-1/rank_00001.safetensors").c_str()), 0);
+  auto r = open_checkpoint(root);  // no throw
+  bool noted = false;
+  for (const auto& n : r->notes()) noted |= n.find("rank_00001.safetensors") != std::string::npos;
+  EXPECT_TRUE(noted);
+  const auto& s = r->source();
+  for (size_t b = 0; b < s.layout.buffers.size(); ++b)
+    EXPECT_EQ(s.locations[b].file < 0, s.layout.buffers[b].rank == 1) << s.layout.buffers[b].name;
+  const Layout target = derive_layout(m, t);
+  EXPECT_FALSE(find_coverage_gaps(s, target).empty());
+  std::string msg = expect_error(ErrorCode::kDataLoss, [&] { make_plan(s, target); });
+  EXPECT_HAS(msg, "layers.0.self_attention.query_key_value.weight");
+  auto problems = verify_all(*r);
+  ASSERT_FALSE(problems.empty());
+  EXPECT_HAS(problems[0], "rank_00001.safetensors: missing");
+  expect_error(ErrorCode::kNotFound, [&] { r->file_size(1); });
+  io::remove_all(root);
+}
+
+TEST(NativeFormat, TruncatedDataFile) {
+  const ModelConfig m = small_model();
+  const std::string root = testing::make_temp_dir("native_trunc_");
+  synth_checkpoint(root, m, Topology::parse("tp=2,dp=1,zero=1"), 5);
+  const std::string file = io::join(root, "step-1/rank_00000.safetensors");
+  ASSERT_EQ(::truncate(file.c_str(), off_t(io::file_size(file) - 100)), 0);
+  std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "rank_00000.safetensors");
+  EXPECT_HAS(msg, "buffer ");
+  EXPECT_HAS(msg, "truncated");
+  // Cut inside the header.
+  ASSERT_EQ(::truncate(file.c_str(), 20), 0);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "rank_00000.safetensors");
+  // Trailing bytes: opens (with a note), verify reports the size.
+  synth_checkpoint(root, m, Topology::parse("tp=2,dp=1,zero=1"), 5);
+  { std::ofstream(file, std::ios::app | std::ios::binary) << "junk"; }
+  auto r = open_checkpoint(root);
+  auto problems = verify_all(*r);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_HAS(problems[0], "rank_00000.safetensors");
+  EXPECT_HAS(problems[0], "metadata records");
+  io::remove_all(root);
+}
+
+TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
+  const ModelConfig m = small_model();
+  const std::string root = testing::make_temp_dir("native_meta_");
+  const std::string meta = io::join(root, "step-1/metadata.json");
+  auto fresh = [&] {
+    io::remove_all(io::join(root, "step-1"));
+    synth_checkpoint(root, m, Topology::parse("tp=2,dp=1,zero=1"), 5);
+    return load_json(meta);
+  };
+  // A piece pointing past the end of its buffer.
+  json j = fresh();
+  j["pieces"][3]["base"] = int64_t(1) << 40;
+  store_json(meta, j);
+  std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "metadata.json");
+  EXPECT_HAS(msg, "pieces[3]");
+  EXPECT_HAS(msg, "outside buffer");
+  // A buffer larger than the tensor the file holds.
+  j = fresh();
+  j["buffers"][0]["numel"] = j["buffers"][0]["numel"].get<int64_t>() + 1000;
+  std::string bname = j["buffers"][0]["name"];
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "rank_00000.safetensors");
+  EXPECT_HAS(msg, bname);
+  // A data file whose header points past its end, with metadata agreeing on the short size.
+  j = fresh();
+  {
+    const std::string file = io::join(root, "step-1/rank_00001.safetensors");
+    std::string bytes = io::read_text(file);
+    bytes.resize(bytes.size() - 64);
+    { std::ofstream(file, std::ios::trunc | std::ios::binary) << bytes; }
+    for (auto& f : j["files"])
+      if (f["name"] == "rank_00001.safetensors") f["bytes"] = bytes.size();
+    store_json(meta, j);
+  }
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "rank_00001.safetensors: buffer ");
+  EXPECT_HAS(msg, "lies outside the file");
+  // A field of the wrong type is named.
+  j = fresh();
+  j["buffers"][2]["dtype"] = 7;
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'buffers[2].dtype'");
+  j = fresh();
+  j.erase("topology");
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'topology' is missing");
+  // Not JSON at all.
+  { std::ofstream(meta, std::ios::trunc) << "{ nope"; }
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "metadata.json is not valid JSON");
+  // A newer format version.
+  j = fresh();
+  j["format_version"] = 2;
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kUnsupported, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "format_version 2");
+  io::remove_all(root);
+}
+
+TEST(NativeFormat, PathTraversalIsRefused) {
+  const ModelConfig m = small_model();
+  const std::string root = testing::make_temp_dir("native_trav_");
+  const std::string meta = io::join(root, "step-1/metadata.json");
+  synth_checkpoint(root, m, Topology::parse("tp=2,dp=1,zero=1"), 5);
+  const json orig = load_json(meta);
+  // A decoy outside the step folder.
+  io::write_text(io::join(root, "x.safetensors"), "decoy");
+  for (const char* bad : {"../x.safetensors", "/etc/passwd", "sub/rank_00000.safetensors", "rank_0.safetensors",
+                          "rank_00000.safetensors/../../x.safetensors"}) {
+    SCOPED_TRACE(bad);
+    json j = orig;
+    j["files"][0]["name"] = bad;
+    store_json(meta, j);
+    std::string msg = expect_error(ErrorCode::kInvalidArgument, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, bad);
+    j = orig;
+    j["buffers"][0]["file"] = bad;
+    store_json(meta, j);
+    msg = expect_error(ErrorCode::kInvalidArgument, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, bad);
+  }
+  io::remove_all(root);
+}
+
+TEST(NativeOpen, PathCases) {
+  const ModelConfig m = small_model();
+  const Topology t = Topology::parse("tp=1,dp=2,zero=1");
+  const std::string base = testing::make_temp_dir("native_open_");
+
+  std::string msg = expect_error(ErrorCode::kNotFound, [&] { open_checkpoint(base + "/nope"); });
+  EXPECT_HAS(msg, base + "/nope");
+
+  io::write_text(io::join(base, "afile"), "x");
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { open_checkpoint(io::join(base, "afile")); });
+  EXPECT_HAS(msg, "afile is a file; give the checkpoint folder");
+
+  io::make_dirs(io::join(base, "empty"));
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { open_checkpoint(io::join(base, "empty")); });
+  EXPECT_HAS(msg, "empty folder");
+
+  io::make_dirs(io::join(base, "junk"));
+  io::write_text(io::join(base, "junk/readme.txt"), "x");
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { open_checkpoint(io::join(base, "junk")); });
+  EXPECT_HAS(msg, "not a checkpoint folder");
+
+  // Steps 10 and 20, then no latest.
+  const std::string root = io::join(base, "ckpt");
+  synth_checkpoint(root, m, t, 10, "step-10");
+  synth_checkpoint(root, m, t, 20, "step-20");
+  EXPECT_EQ(io::base_name(open_checkpoint(root)->path()), "step-20");
+  {
+    OpenOptions o;
+    o.step = "20";
+    auto r = open_checkpoint(root, o);
+    EXPECT_EQ(io::base_name(r->path()), "step-20");
+    EXPECT_EQ(r->state().step, 21);  // 1 + seed % 1000
+    o.step = "10";
+    EXPECT_EQ(io::base_name(open_checkpoint(root, o)->path()), "step-10");
+    o.step = "step-10";
+    EXPECT_EQ(open_checkpoint(root, o)->state().step, 11);
+    o.step = "30";
+    msg = expect_error(ErrorCode::kNotFound, [&] { open_checkpoint(root, o); });
+    EXPECT_HAS(msg, "step '30' not found");
+    EXPECT_HAS(msg, "available steps: step-10, step-20");
+    o.step = "2";  // never a prefix/substring match
+    expect_error(ErrorCode::kNotFound, [&] { open_checkpoint(root, o); });
+  }
+  // A step folder given directly.
+  {
+    auto r = open_checkpoint(io::join(root, "step-10"));
+    EXPECT_EQ(r->state().step, 11);
+    bool noted = false;
+    for (const auto& n : r->notes()) noted |= n.find("a step folder was given; loading that step") != std::string::npos;
+    EXPECT_TRUE(noted);
+    OpenOptions o;
+    o.step = "20";
+    expect_error(ErrorCode::kInvalidArgument, [&] { open_checkpoint(io::join(root, "step-10"), o); });
+  }
+  // latest naming a missing step.
+  io::write_text(io::join(root, "latest"), "step-99\n");
+  msg = expect_error(ErrorCode::kNotFound, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, io::join(root, "latest"));
+  EXPECT_HAS(msg, "step-99");
+  // No latest at all.
+  ::unlink(io::join(root, "latest").c_str());
+  msg = expect_error(ErrorCode::kNotFound, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "no `latest`");
+  EXPECT_HAS(msg, "step-10, step-20");
+  // Leftover temporaries of a crashed save are not steps.
+  io::make_dirs(io::join(root, ".tmp-step-30-0123456789abcdef"));
+  msg = expect_error(ErrorCode::kNotFound, [&] { open_checkpoint(root); });
+  EXPECT_EQ(msg.find(".tmp"), std::string::npos) << msg;
+  // DeepSpeed folders go to the DeepSpeed reader.
+  const std::string ds = io::join(base, "ds");
+  io::make_dirs(io::join(ds, "global_step5"));
+  io::write_text(io::join(ds, "global_step5/mp_rank_00_model_states.pt"), "");
+  io::write_text(io::join(ds, "latest"), "global_step5");
+  for (const std::string& p : {ds, io::join(ds, "global_step5")}) {
+    try {
+      open_checkpoint(p);
+    } catch (const Error& e) {
+      // The stub (or a real reader failing on the empty file) answers, not the native reader.
+      EXPECT_EQ(std::string(e.what()).find("metadata.json"), std::string::npos) << e.what();
+    }
+  }
+  io::remove_all(base);
+}
+
+TEST(NativeSynth, SameSeedSameModelAtAnyLayout) {
+  ModelConfig m = small_model();
+  m.vocab = 45;  // padded differently at tp=1 and tp=4
+  ModelConfig legacy = small_model();  // QKV version 0: permuted strides
+  legacy.query_groups = 0;
+  legacy.qkv_version = 0;
+  legacy.tied_embeddings = true;
+  legacy.param_dtype = DType::F16;
+  const uint64_t seed = 77;
+  const std::string base = testing::make_temp_dir("native_synth_");
+  for (const char* topo : {"tp=1,dp=1,zero=0", "tp=2,pp=2,dp=2,zero=1", "tp=4,dp=1,zero=2", "tp=1,dp=3,zero=3",
+                           "legacy:tp=2,pp=2,dp=1,zero=1", "legacy:tp=4,dp=2,zero=1"}) {
+    SCOPED_TRACE(topo);
+    std::string name = topo;
+    const bool is_legacy = name.rfind("legacy:", 0) == 0;
+    if (is_legacy) name = name.substr(7);
+    const ModelConfig& model = is_legacy ? legacy : m;
+    const std::string root = io::join(base, topo);
+    synth_checkpoint(root, model, Topology::parse(name), seed);
+    auto r = open_checkpoint(root);
+    EXPECT_TRUE(verify_all(*r).empty());
+    EXPECT_EQ(r->state().step, int64_t(1 + seed % 1000));
+    EXPECT_EQ(r->state().iteration, r->state().step);
+    EXPECT_EQ(r->state().consumed_samples, 8 * r->state().step);
+    EXPECT_EQ(int(r->state().per_rank.size()), Topology::parse(name).world_size());
+    const auto& s = r->source();
+    int64_t checked = 0;
+    for (const Piece& p : s.layout.pieces) {
+      const LogicalArray& a = s.layout.arrays[p.array];
+      const Buffer& b = s.layout.buffers[p.buffer];
+      auto [off, len] = piece_bytes(s, p);
+      std::vector<uint8_t> bytes(len);
+      r->read(s.locations[p.buffer].file, off, len, bytes.data());
+      testing::for_each_index(p.box, [&](const std::array<int64_t, kMaxDims>& g, int64_t) {
+        int64_t e = 0;
+        for (int d = 0; d < p.box.ndim; ++d) e += (g[d] - p.box.off[d]) * p.strides[d];
+        float got;
+        convert_elements(bytes.data() + e * dtype_size(b.dtype), b.dtype, &got, DType::F32, 1);
+        float want = synth_value(seed, a.tensor, a.state, synth_linear_index(a, g));
+        ASSERT_TRUE(std::isfinite(want));
+        if (a.state == StateKind::kExpAvgSq) {
+          ASSERT_GE(want, 0.f);
+        }
+        if (b.dtype != DType::F32) {  // the stored weight is the downcast of the master
+          uint16_t h;
+          convert_elements(&want, DType::F32, &h, b.dtype, 1);
+          convert_elements(&h, b.dtype, &want, DType::F32, 1);
+        }
+        ASSERT_EQ(0, std::memcmp(&got, &want, 4)) << a.key() << " at " << g[0];
+        ++checked;
+      });
+    }
+    EXPECT_GT(checked, 0);
+    // Weights equal the downcast master.
+    EXPECT_EQ(synth_value(seed, "x", StateKind::kWeight, 5), synth_value(seed, "x", StateKind::kMaster, 5));
+    EXPECT_NE(synth_value(seed, "x", StateKind::kExpAvg, 5), synth_value(seed, "x", StateKind::kMaster, 5));
+  }
+  io::remove_all(base);
+}
+
+// Synthesises about 1 GB (GPT with hidden 2048, 4 layers, fp32 masters + moments) and times it.
+// Run with --gtest_also_run_disabled_tests.
+TEST(NativeSynth, DISABLED_TimingOneGigabyte) {
+  ModelConfig m;
+  m.name = "timing";
+  m.num_layers = 4;
+  m.hidden = 2048;
+  m.heads = 16;
+  m.ffn = 8192;
+  m.vocab = 32000;
+  m.param_dtype = DType::BF16;
+  const Topology t = Topology::parse("tp=2,pp=2,dp=2,zero=1");
+  const std::string root = testing::make_temp_dir("native_timing_");
+  auto t0 = std::chrono::steady_clock::now();
+  synth_checkpoint(root, m, t, 1);
+  auto t1 = std::chrono::steady_clock::now();
+  auto r = open_checkpoint(root);
+  uint64_t bytes = 0;
+  for (const auto& f : r->source().files) bytes += io::file_size(f);
+  auto t2 = std::chrono::steady_clock::now();
+  auto problems = verify_all(*r);
+  auto t3 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(problems.empty());
+  auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  std::printf("synth %.3f GB in %.2f s (%.2f GB/s); open %.3f s; verify_all %.2f s\n", bytes / 1e9, sec(t0, t1),
+              bytes / 1e9 / sec(t0, t1), sec(t1, t2), sec(t2, t3));
+  io::remove_all(root);
+}
+
+}  // namespace
+}  // namespace reshard
