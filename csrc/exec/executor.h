@@ -5,13 +5,15 @@
 //  2. pre-flight: every rank checks the files it will read (existence, size); replica
 //     comparisons assigned to this rank run; the outcome is all-gathered, so a missing file or a
 //     replica divergence fails on every rank, by name, before any target byte is written;
-//  3. waves: read (thread pool of positioned reads into staging) -> status all-gathered ->
+//  3. zero fills (vocab padding rows only the target has, flat-partition padding);
+//  4. waves: read (thread pool of positioned reads into staging) -> status all-gathered ->
 //     local scatter + all-to-all-v of packed fragments -> scatter of received fragments;
 //  4. zero fills (vocab padding rows only the target has, flat-partition padding).
 // A failure after the first write raises Error(kFailedPrecondition) saying the live state is
 // unusable and the trainer must not continue.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,6 +34,10 @@ struct ExecOptions {
   ReplicaPolicy replica_policy = ReplicaPolicy::kError;
   double replica_atol = 0.0;
   VerifyMode verify = VerifyMode::kFree;
+  /// Called (on the executing thread) once every element of one of this rank's target buffers
+  /// has been written; GPU targets use it to start the host-to-device copy of a finished buffer
+  /// while later waves are still being read.
+  std::function<void(int32_t buffer)> on_buffer_done;
 };
 
 struct ExecStats {
