@@ -1,0 +1,33 @@
+# The Python extension `reshard._C` (pybind11 + LibTorch), built into python/reshard/ so that
+#   PYTHONPATH=<repo>/python python -c "import reshard"
+# works straight from the source tree. Included by the top-level CMakeLists when
+# RESHARD_BUILD_PYTHON=ON. Needs the venv's Python (-DPython_EXECUTABLE) and torch's and pybind11's
+# CMake folders on CMAKE_PREFIX_PATH (scripts/setup.sh passes both).
+#
+# Only csrc/python/torch_bindings.cc includes torch headers (compile time on small machines); the
+# communicator that calls back into torch.distributed (csrc/python/torch_comm.cc) needs only pybind11.
+
+find_package(Python COMPONENTS Interpreter Development.Module REQUIRED)
+find_package(pybind11 CONFIG REQUIRED)
+
+# The CPU wheel's TorchConfig needs no CUDA; keep its CUDA probing off on hosts that have a toolkit.
+set(USE_CUDA OFF CACHE BOOL "" FORCE)
+set(CAFFE2_USE_CUDNN OFF CACHE BOOL "" FORCE)
+find_package(Torch REQUIRED)
+
+execute_process(
+  COMMAND ${Python_EXECUTABLE} -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))"
+  OUTPUT_VARIABLE RESHARD_TORCH_LIB_DIR OUTPUT_STRIP_TRAILING_WHITESPACE)
+find_library(RESHARD_TORCH_PYTHON_LIB torch_python PATHS ${RESHARD_TORCH_LIB_DIR} NO_DEFAULT_PATH REQUIRED)
+
+file(GLOB RESHARD_PY_SRC CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/csrc/python/*.cc)
+pybind11_add_module(reshard_python MODULE ${RESHARD_PY_SRC})
+set_target_properties(reshard_python PROPERTIES
+  OUTPUT_NAME _C
+  LIBRARY_OUTPUT_DIRECTORY ${CMAKE_SOURCE_DIR}/python/reshard
+  # torch's libraries are loaded by `import torch` (reshard/__init__.py imports it first); the
+  # rpath only helps tools that open the module without Python.
+  BUILD_RPATH "${RESHARD_TORCH_LIB_DIR}")
+target_include_directories(reshard_python PRIVATE ${CMAKE_SOURCE_DIR}/csrc ${TORCH_INCLUDE_DIRS})
+target_compile_definitions(reshard_python PRIVATE TORCH_EXTENSION_NAME=_C)
+target_link_libraries(reshard_python PRIVATE reshard ${TORCH_LIBRARIES} ${RESHARD_TORCH_PYTHON_LIB})

@@ -1,0 +1,494 @@
+// reshard._C: the Python face of the facade (include/reshard/reshard.h, native.h, config.h).
+// The only translation unit that includes torch headers. Python wrappers with docstrings live in
+// python/reshard/__init__.py; this module keeps to plain types, opaque Layout/Checkpoint handles
+// and torch tensors at the edge.
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+#include <nlohmann/json.hpp>
+
+#include "python/torch_comm.h"
+#include "reshard/checkpoint.h"
+#include "reshard/config.h"
+#include "reshard/error.h"
+#include "reshard/layout.h"
+#include "reshard/native.h"
+#include "reshard/reshard.h"
+
+namespace py = pybind11;
+using nlohmann::json;
+
+namespace reshard::python {
+namespace {
+
+// ---- errors: one Python class per ErrorCode, all deriving from reshard.Error -------------------
+
+struct ErrorClasses {
+  PyObject* base = nullptr;
+  PyObject* by_code[6] = {};
+};
+ErrorClasses g_errors;
+
+PyObject* error_class(ErrorCode c) {
+  int i = int(c);
+  return (i >= 0 && i < 6 && g_errors.by_code[i]) ? g_errors.by_code[i] : g_errors.base;
+}
+
+void register_errors(py::module_& m) {
+  g_errors.base = PyErr_NewExceptionWithDoc(
+      "reshard._C.Error",
+      "Base class of every reshard error. The message is the same as the CLI's and names the path, "
+      "tensor, region, rank or field involved; `code` is the ErrorCode name.",
+      PyExc_RuntimeError, nullptr);
+  m.attr("Error") = py::handle(g_errors.base);
+  const ErrorCode codes[] = {ErrorCode::kInvalidArgument, ErrorCode::kNotFound, ErrorCode::kDataLoss,
+                             ErrorCode::kUnsupported, ErrorCode::kFailedPrecondition, ErrorCode::kInternal};
+  for (ErrorCode c : codes) {
+    std::string name = std::string("reshard._C.") + error_code_name(c);
+    PyObject* cls = PyErr_NewException(name.c_str(), g_errors.base, nullptr);
+    py::setattr(cls, "code", py::str(error_code_name(c)));
+    g_errors.by_code[int(c)] = cls;
+    m.attr(error_code_name(c)) = py::handle(cls);
+  }
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(error_class(e.code()), e.what());
+    }
+  });
+}
+
+// ---- small conversions ---------------------------------------------------------------------------
+
+ModelConfig model_from_yaml(const std::string& text, const std::string& origin) {
+  return parse_model_config(text, origin);
+}
+
+json state_to_json(const NonTensorState& s) {
+  json j;
+  j["iteration"] = s.iteration;
+  j["consumed_samples"] = s.consumed_samples;
+  j["step"] = s.step;
+  j["json"] = s.json;
+  json pr = json::object();
+  for (const auto& [r, blob] : s.per_rank) pr[std::to_string(r)] = blob;
+  j["per_rank"] = pr;
+  return j;
+}
+
+py::dict state_to_py(const NonTensorState& s) {
+  py::dict d;
+  d["iteration"] = s.iteration;
+  d["consumed_samples"] = s.consumed_samples;
+  d["step"] = s.step;
+  d["json"] = s.json;
+  py::dict pr;
+  for (const auto& [r, blob] : s.per_rank) pr[py::int_(r)] = py::bytes(blob);
+  d["per_rank"] = pr;
+  return d;
+}
+
+NonTensorState state_from_py(const py::dict& d) {
+  NonTensorState s;
+  if (d.contains("iteration")) s.iteration = d["iteration"].cast<int64_t>();
+  if (d.contains("consumed_samples")) s.consumed_samples = d["consumed_samples"].cast<int64_t>();
+  if (d.contains("step")) s.step = d["step"].cast<int64_t>();
+  if (d.contains("json")) s.json = d["json"].cast<std::string>();
+  if (d.contains("per_rank"))
+    for (auto item : d["per_rank"].cast<py::dict>()) s.per_rank[item.first.cast<int>()] = item.second.cast<std::string>();
+  return s;
+}
+
+py::dict tensor_spec_to_py(const TensorSpec& t) {
+  py::dict d;
+  d["name"] = t.name;
+  d["shape"] = t.shape;
+  d["split"] = split_name(t.split);
+  d["reduction"] = t.reduction == Reduction::kPartialSum ? "partial_sum" : "replicated";
+  const char* owner = "layer";
+  switch (t.owner) {
+    case Owner::kLayer: owner = "layer"; break;
+    case Owner::kFirstStage: owner = "first_stage"; break;
+    case Owner::kLastStage: owner = "last_stage"; break;
+    case Owner::kFirstAndLast: owner = "first_and_last"; break;
+  }
+  d["owner"] = owner;
+  d["layer"] = t.layer;
+  d["no_weight_decay"] = t.no_weight_decay;
+  d["real_rows"] = t.real_rows;
+  return d;
+}
+
+py::list buffers_to_py(const Layout& L) {
+  py::list out;
+  for (const auto& b : L.buffers) {
+    py::dict d;
+    d["name"] = b.name;
+    d["rank"] = b.rank;
+    d["dtype"] = dtype_name(b.dtype);
+    d["numel"] = b.numel;
+    d["state"] = state_kind_name(b.state);
+    d["group"] = b.group;
+    out.append(d);
+  }
+  return out;
+}
+
+PlanOptions plan_options_from_py(const py::dict& d) {
+  PlanOptions o;
+  for (auto item : d) {
+    const std::string k = item.first.cast<std::string>();
+    py::handle v = item.second;
+    if (k == "replicas") o.replica_policy = replica_policy_from_name(v.cast<std::string>());
+    else if (k == "replica_atol") o.replica_atol = v.cast<double>();
+    else if (k == "strict_missing") o.strict_missing = v.cast<bool>();
+    else if (k == "strict_unexpected") o.strict_unexpected = v.cast<bool>();
+    else if (k == "memory_budget_bytes") o.memory_budget = v.cast<uint64_t>();
+    else if (k == "dedup") o.dedup = v.cast<bool>();
+    else if (k == "compare_replicas") o.compare_replicas = v.cast<bool>();
+    else if (k == "weights_from_master") o.weights_from_master = v.cast<bool>();
+    else
+      fail(ErrorCode::kInvalidArgument, "unknown policy '", k,
+           "' (known: replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup, "
+           "compare_replicas, weights_from_master)");
+  }
+  return o;
+}
+
+py::dict plan_options_to_py(const PlanOptions& o) {
+  py::dict d;
+  d["replicas"] = replica_policy_name(o.replica_policy);
+  d["replica_atol"] = o.replica_atol;
+  d["strict_missing"] = o.strict_missing;
+  d["strict_unexpected"] = o.strict_unexpected;
+  d["memory_budget_bytes"] = o.memory_budget;
+  d["dedup"] = o.dedup;
+  d["compare_replicas"] = o.compare_replicas;
+  d["weights_from_master"] = o.weights_from_master;
+  return d;
+}
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kDouble: return DType::F64;
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kLong: return DType::I64;
+    case at::kInt: return DType::I32;
+    case at::kShort: return DType::I16;
+    case at::kChar: return DType::I8;
+    case at::kByte: return DType::U8;
+    case at::kBool: return DType::Bool;
+    default: fail(ErrorCode::kUnsupported, "tensor dtype ", c10::toString(t.scalar_type()), " is not supported");
+  }
+}
+
+// Checks the tensors given for this rank's buffers and returns their data pointers (null for
+// other ranks' buffers). Raises before anything is read or written.
+std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<std::optional<at::Tensor>>& tensors,
+                                   const char* what) {
+  if (tensors.size() != L.buffers.size())
+    fail(ErrorCode::kInvalidArgument, what, ": got ", tensors.size(), " tensors for a layout of ", L.buffers.size(),
+         " buffers (index them like layout.buffers; None for other ranks' buffers)");
+  std::vector<void*> ptrs(L.buffers.size(), nullptr);
+  for (size_t i = 0; i < L.buffers.size(); ++i) {
+    const Buffer& b = L.buffers[i];
+    if (b.rank != rank) continue;
+    if (!tensors[i].has_value() || !tensors[i]->defined())
+      fail(ErrorCode::kInvalidArgument, what, ": rank ", rank, " has no tensor for its buffer ", b.name);
+    const at::Tensor& t = *tensors[i];
+    if (!t.device().is_cpu())
+      fail(ErrorCode::kUnsupported, what, ": buffer ", b.name, " is on ", t.device().str(),
+           "; this build writes CPU tensors only (stage through a CPU tensor)");
+    if (!t.is_contiguous())
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " is not contiguous");
+    if (dtype_of(t) != b.dtype)
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has dtype ", dtype_name(dtype_of(t)),
+           " but the layout says ", dtype_name(b.dtype));
+    if (t.numel() != b.numel)
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has ", t.numel(),
+           " elements but the layout says ", b.numel);
+    ptrs[i] = t.data_ptr();
+  }
+  return ptrs;
+}
+
+struct PyCheckpoint {
+  std::shared_ptr<CheckpointReader> reader;
+};
+
+py::dict inspect_dict(const CheckpointReader& r) {
+  const SourceLayout& s = r.source();
+  const Layout& L = s.layout;
+  py::dict d;
+  d["writer"] = r.writer();
+  d["path"] = r.path();
+  d["layout"] = L.topo.to_string();
+  py::dict topo;
+  topo["tp"] = L.topo.tp; topo["pp"] = L.topo.pp; topo["vpp"] = L.topo.vpp; topo["dp"] = L.topo.dp;
+  topo["zero"] = L.topo.zero; topo["world_size"] = L.topo.world_size();
+  d["topology"] = topo;
+  py::dict model;
+  const ModelConfig& m = L.model;
+  model["name"] = m.name; model["num_layers"] = m.num_layers; model["hidden"] = m.hidden; model["ffn"] = m.ffn;
+  model["heads"] = m.heads; model["query_groups"] = m.groups(); model["vocab"] = m.vocab;
+  model["padded_vocab"] = m.vocab > 0 ? m.padded_vocab(L.topo.tp) : 0;
+  model["swiglu"] = m.swiglu; model["tied_embeddings"] = m.tied_embeddings; model["bias"] = m.bias;
+  model["norm"] = m.norm; model["param_dtype"] = dtype_name(m.param_dtype); model["qkv_version"] = m.qkv_version;
+  model["tp_gt_groups"] = qkv_variant_name(m.tp_gt_groups);
+  d["model"] = model;
+  py::list tensors;
+  for (const auto& t : L.tensors) tensors.append(tensor_spec_to_py(t));
+  d["tensors"] = tensors;
+  d["files"] = s.files;
+  uint64_t bytes = 0;
+  for (const auto& b : L.buffers) bytes += uint64_t(b.numel) * dtype_size(b.dtype);
+  d["state_bytes"] = bytes;
+  d["num_buffers"] = L.buffers.size();
+  d["state"] = state_to_py(r.state());
+  d["notes"] = r.notes();
+  return d;
+}
+
+}  // namespace
+}  // namespace reshard::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace reshard;
+  using namespace reshard::python;
+  m.doc() = "reshard native extension; use the `reshard` package, not this module directly.";
+  register_errors(m);
+  register_torch_comm(m);
+
+  py::class_<ModelConfig>(m, "ModelConfig")
+      .def_readonly("name", &ModelConfig::name)
+      .def_readonly("num_layers", &ModelConfig::num_layers)
+      .def_readonly("hidden", &ModelConfig::hidden)
+      .def_readonly("ffn", &ModelConfig::ffn)
+      .def_readonly("heads", &ModelConfig::heads)
+      .def_property_readonly("query_groups", &ModelConfig::groups)
+      .def_readonly("vocab", &ModelConfig::vocab)
+      .def_readonly("swiglu", &ModelConfig::swiglu)
+      .def_readonly("tied_embeddings", &ModelConfig::tied_embeddings)
+      .def_property_readonly("param_dtype", [](const ModelConfig& c) { return std::string(dtype_name(c.param_dtype)); })
+      .def("padded_vocab", &ModelConfig::padded_vocab)
+      .def("validate_for", &ModelConfig::validate_for);
+  m.def("model_from_yaml", &model_from_yaml, py::arg("text"), py::arg("origin"));
+  m.def("load_model_config", &load_model_config, py::arg("path"));
+  m.def("model_tensors", [](const ModelConfig& c, int tp) {
+    py::list out;
+    for (const auto& t : model_tensors(c, tp)) out.append(tensor_spec_to_py(t));
+    return out;
+  });
+
+  py::class_<Layout, std::shared_ptr<Layout>>(m, "Layout")
+      .def_property_readonly("topology", [](const Layout& L) { return L.topo.to_string(); })
+      .def_property_readonly("world_size", [](const Layout& L) { return L.topo.world_size(); })
+      .def_property_readonly("buffers", &buffers_to_py)
+      .def_property_readonly("tensors", [](const Layout& L) {
+        py::list out;
+        for (const auto& t : L.tensors) out.append(tensor_spec_to_py(t));
+        return out;
+      })
+      .def_property_readonly("model", [](const Layout& L) { return L.model; })
+      .def_property_readonly("total_bytes", &Layout::total_bytes)
+      .def_property_readonly("num_pieces", [](const Layout& L) { return L.pieces.size(); })
+      .def_property_readonly("flat_groups", [](const Layout& L) {
+        py::list slots;
+        for (const auto& gs : L.flat_groups) {
+          py::list groups;
+          for (const auto& g : gs) {
+            py::dict d;
+            py::list entries;
+            for (const auto& e : g.entries) entries.append(py::make_tuple(e.tensor, e.offset, e.numel));
+            d["entries"] = entries;
+            d["numel"] = g.numel;
+            d["partition_size"] = g.partition_size;
+            d["no_weight_decay"] = g.no_weight_decay;
+            groups.append(d);
+          }
+          slots.append(groups);
+        }
+        return slots;
+      });
+
+  m.def(
+      "build_layout",
+      [](const ModelConfig& cfg, const std::string& topo_s, py::object stages, py::object groups,
+         bool weights_on_dp0_only, bool optimizer, int align_factor) {
+        Topology topo = Topology::parse(topo_s);
+        DeriveOptions opt;
+        opt.weights_on_dp0_only = weights_on_dp0_only;
+        opt.optimizer = optimizer;
+        opt.align_factor = align_factor;
+        LayoutRecipe r = default_recipe(cfg, topo, opt);
+        if (!stages.is_none()) {
+          auto st = stages.cast<std::map<std::string, std::vector<int>>>();
+          for (size_t i = 0; i < r.tensors.size(); ++i) {
+            auto it = st.find(r.tensors[i].name);
+            if (it != st.end()) r.stages[i] = it->second;
+          }
+          for (const auto& [name, v] : st) {
+            bool known = false;
+            for (const auto& t : r.tensors) known |= t.name == name;
+            if (!known) fail(ErrorCode::kInvalidArgument, "stages names tensor ", name, " that the model does not have");
+          }
+        }
+        if (!groups.is_none()) {
+          py::list slots = groups.cast<py::list>();
+          if (int(slots.size()) != topo.pp * topo.tp)
+            fail(ErrorCode::kInvalidArgument, "groups has ", slots.size(), " (pp, tp) slots; expected pp*tp=", topo.pp * topo.tp);
+          r.groups.assign(slots.size(), {});
+          for (size_t s = 0; s < slots.size(); ++s) {
+            for (py::handle gh : slots[s].cast<py::list>()) {
+              py::dict gd = gh.cast<py::dict>();
+              FlatGroup g;
+              for (py::handle eh : gd["entries"].cast<py::list>()) {
+                auto e = eh.cast<py::tuple>();
+                g.entries.push_back({e[0].cast<std::string>(), e[1].cast<int64_t>(), e[2].cast<int64_t>()});
+              }
+              g.numel = gd["numel"].cast<int64_t>();
+              g.partition_size = gd["partition_size"].cast<int64_t>();
+              if (gd.contains("no_weight_decay")) g.no_weight_decay = gd["no_weight_decay"].cast<bool>();
+              r.groups[s].push_back(std::move(g));
+            }
+          }
+        }
+        return std::make_shared<Layout>(build_layout(cfg, topo, r, opt));
+      },
+      py::arg("model"), py::arg("topology"), py::arg("stages") = py::none(), py::arg("groups") = py::none(),
+      py::arg("weights_on_dp0_only") = false, py::arg("optimizer") = true, py::arg("align_factor") = 2);
+
+  py::class_<PyCheckpoint>(m, "Checkpoint")
+      .def_property_readonly("writer", [](const PyCheckpoint& c) { return c.reader->writer(); })
+      .def_property_readonly("path", [](const PyCheckpoint& c) { return c.reader->path(); })
+      .def_property_readonly("layout", [](const PyCheckpoint& c) { return std::make_shared<Layout>(c.reader->source().layout); })
+      .def_property_readonly("topology", [](const PyCheckpoint& c) { return c.reader->source().layout.topo.to_string(); })
+      .def_property_readonly("model", [](const PyCheckpoint& c) { return c.reader->source().layout.model; })
+      .def_property_readonly("state", [](const PyCheckpoint& c) { return state_to_py(c.reader->state()); })
+      .def_property_readonly("notes", [](const PyCheckpoint& c) { return c.reader->notes(); })
+      .def("inspect", [](const PyCheckpoint& c) { return inspect_dict(*c.reader); });
+
+  m.def(
+      "open_checkpoint",
+      [](const std::string& path, const std::string& step, const std::string& model_path) {
+        OpenOptions o;
+        o.step = step;
+        o.model_path = model_path;
+        PyCheckpoint c;
+        {
+          py::gil_scoped_release nogil;
+          c.reader = std::shared_ptr<CheckpointReader>(open_checkpoint(path, o));
+        }
+        return c;
+      },
+      py::arg("path"), py::arg("step") = "", py::arg("model_path") = "");
+
+  m.def("plan_options", [](const py::dict& d) { return plan_options_to_py(plan_options_from_py(d)); });
+
+  m.def(
+      "plan",
+      [](const PyCheckpoint& c, const Layout& target, const py::dict& options) {
+        PlanOptions po = plan_options_from_py(options);
+        double secs = 0;
+        std::string out;
+        {
+          py::gil_scoped_release nogil;
+          Plan p = plan_load(*c.reader, target, po, &secs);
+          out = plan_summary_json(p, secs);
+        }
+        return out;
+      },
+      py::arg("checkpoint"), py::arg("target"), py::arg("options"));
+
+  m.def(
+      "load",
+      [](const PyCheckpoint& c, const Layout& target, const std::vector<std::optional<at::Tensor>>& tensors,
+         std::shared_ptr<Communicator> comm, const py::dict& options, int io_threads, const std::string& verify) {
+        LoadOptions lo;
+        lo.plan = plan_options_from_py(options);
+        lo.io_threads = io_threads;
+        lo.verify = verify;
+        std::vector<void*> ptrs = buffer_pointers(target, comm->rank(), tensors, "reshard.load");
+        LoadReport r;
+        {
+          py::gil_scoped_release nogil;
+          r = load(*c.reader, target, ptrs, *comm, lo);
+        }
+        py::dict d = py::module_::import("json").attr("loads")(r.to_json());
+        d["text"] = r.to_text();
+        d["plan_seconds"] = r.plan_seconds;
+        d["state"] = state_to_py(r.state);
+        return d;
+      },
+      py::arg("checkpoint"), py::arg("target"), py::arg("tensors"), py::arg("comm"), py::arg("options"),
+      py::arg("io_threads") = 4, py::arg("verify") = "free");
+
+  m.def(
+      "save",
+      [](const std::string& root, const std::string& step, const Layout& layout,
+         const std::vector<std::optional<at::Tensor>>& tensors, const py::dict& state, std::shared_ptr<Communicator> comm) {
+        std::vector<void*> ptrs = buffer_pointers(layout, comm->rank(), tensors, "reshard.save");
+        std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
+        NonTensorState s = state_from_py(state);
+        py::gil_scoped_release nogil;
+        save_native(root, step, layout, cptrs, s, *comm);
+      },
+      py::arg("root"), py::arg("step"), py::arg("layout"), py::arg("tensors"), py::arg("state"), py::arg("comm"));
+
+  m.def(
+      "synth_checkpoint",
+      [](const std::string& root, const ModelConfig& model, const std::string& topo, uint64_t seed, const std::string& step) {
+        py::gil_scoped_release nogil;
+        synth_checkpoint(root, model, Topology::parse(topo), seed, step);
+      },
+      py::arg("root"), py::arg("model"), py::arg("topology"), py::arg("seed"), py::arg("step") = "step-1");
+
+  m.def("load_resume_config", [](const std::string& path) {
+    ResumeConfig rc = load_resume_config(path);
+    py::dict d;
+    d["checkpoint"] = rc.checkpoint;
+    d["step"] = rc.step;
+    d["model"] = rc.model;
+    d["target"] = rc.target.to_string();
+    py::dict t;
+    t["tp"] = rc.target.tp; t["pp"] = rc.target.pp; t["vpp"] = rc.target.vpp; t["dp"] = rc.target.dp; t["zero"] = rc.target.zero;
+    d["target_topology"] = t;
+    d["policies"] = plan_options_to_py(rc.plan);
+    return d;
+  });
+
+  m.def("parse_topology", [](const std::string& s) {
+    Topology t = Topology::parse(s);
+    py::dict d;
+    d["tp"] = t.tp; d["pp"] = t.pp; d["vpp"] = t.vpp; d["dp"] = t.dp; d["zero"] = t.zero;
+    d["world_size"] = t.world_size();
+    d["text"] = t.to_string();
+    return d;
+  });
+  m.def("describe_change", [](const std::string& a, const std::string& b) {
+    return describe_change(Topology::parse(a), Topology::parse(b));
+  });
+
+  // Raw memory as a uint8 tensor (no copy): used by the torch communicator's callbacks.
+  m.def("tensor_from_ptr", [](uintptr_t ptr, int64_t nbytes) {
+    return torch::from_blob(reinterpret_cast<void*>(ptr), {nbytes}, torch::TensorOptions().dtype(torch::kUInt8));
+  });
+  // Communicator conformance helpers (tests): the C++ entry points with tensors as memory.
+  m.def("_comm_all_to_all_v", [](Communicator& c, const at::Tensor& send, std::vector<uint64_t> sc, std::vector<uint64_t> sd,
+                                 at::Tensor recv, std::vector<uint64_t> rc, std::vector<uint64_t> rd) {
+    const void* s = send.data_ptr();
+    void* r = recv.data_ptr();
+    py::gil_scoped_release nogil;
+    c.all_to_all_v(s, sc, sd, r, rc, rd);
+  });
+  m.def("_comm_broadcast", [](Communicator& c, at::Tensor t, int root, std::vector<int> group) {
+    void* p = t.data_ptr();
+    uint64_t n = uint64_t(t.numel()) * t.element_size();
+    py::gil_scoped_release nogil;
+    c.broadcast(p, n, root, group);
+  });
+}

@@ -1,0 +1,303 @@
+"""reshard: load a distributed-training checkpoint saved under one parallel layout into a job
+running under another, resharding weights and optimizer state (fp32 master, exp_avg, exp_avg_sq,
+step) on the fly.
+
+Build the extension first (scripts/setup.sh, or cmake with RESHARD_BUILD_PYTHON=ON: it writes
+python/reshard/_C*.so), then ``PYTHONPATH=<repo>/python python -c "import reshard"``.
+
+Vocabulary (include/reshard/*.h):
+
+* A *layout* is a topology ("tp=2,pp=2,vpp=1,dp=2,zero=1"; rank = (pp_rank*dp + dp_rank)*tp +
+  tp_rank) plus where every element of every tensor and optimizer state lives: a list of
+  *buffers*, each ``{"name", "rank", "dtype", "numel", "state", "group"}``. Buffer names:
+  ``weight/<canonical>`` (tp-local tensor, model dtype), ``fp32/group<g>``, ``exp_avg/group<g>``,
+  ``exp_avg_sq/group<g>`` (ZeRO-1/2 flat partitions, float32, one per param group) or
+  ``fp32/<canonical>`` etc. under ZeRO-0. Canonical tensor names use global layer numbers
+  (``layers.3.mlp.dense_h_to_4h.weight``; see include/reshard/model.h).
+* Units: bytes unless said otherwise; GB = 1e9 bytes, GiB = 2**30 bytes; seconds.
+
+Errors: every failure is a :class:`Error` subclass named after the C++ ErrorCode
+(:class:`InvalidArgument`, :class:`NotFound`, :class:`DataLoss`, :class:`Unsupported`,
+:class:`FailedPrecondition`, :class:`Internal`), with the same message as the CLI.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import os as _os
+from typing import Dict, List, Mapping, Optional, Sequence, Union
+
+import torch  # loads libtorch before the extension
+
+from . import _C
+
+__all__ = [
+    "Error", "InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal",
+    "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "derive_layout", "build_layout",
+    "open_checkpoint", "inspect", "plan", "load", "save", "communicator", "local_communicator",
+    "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint",
+]
+
+Error = _C.Error
+InvalidArgument = _C.InvalidArgument
+NotFound = _C.NotFound
+DataLoss = _C.DataLoss
+Unsupported = _C.Unsupported
+FailedPrecondition = _C.FailedPrecondition
+Internal = _C.Internal
+
+ModelConfig = _C.ModelConfig
+Layout = _C.Layout
+Checkpoint = _C.Checkpoint
+Communicator = _C.Communicator
+
+_REPO_CONFIGS = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))),
+                              "configs", "models")
+
+_POLICY_KEYS = ("replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes", "dedup",
+                "compare_replicas", "weights_from_master")
+
+
+def model_config(model: Union[str, Mapping, "ModelConfig"]) -> "ModelConfig":
+    """Returns a ModelConfig from a YAML file path, a preset name under configs/models
+    ("tiny-gpt", "llama2-7b", ...), a dict with the YAML keys (name, num_layers, hidden, ffn, heads,
+    query_groups, vocab, vocab_divisible_by, max_position_embeddings, swiglu, tied_embeddings, bias,
+    norm, param_dtype, optimizer, qkv_version, tp_gt_groups, rules), or a ModelConfig (returned as is).
+
+    Raises NotFound for a missing file, InvalidArgument naming the field for a bad or unknown key.
+    """
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, Mapping):
+        import yaml
+        return _C.model_from_yaml(yaml.safe_dump(dict(model), sort_keys=False), "<dict>")
+    path = str(model)
+    if not _os.path.exists(path) and _os.sep not in path:
+        preset = _os.path.join(_REPO_CONFIGS, path if path.endswith(".yaml") else path + ".yaml")
+        if _os.path.exists(preset):
+            path = preset
+    return _C.load_model_config(path)
+
+
+def derive_layout(model, topology: str, *, weights_on_dp0_only: bool = False, optimizer: bool = True,
+                  align_factor: int = 2) -> "Layout":
+    """The layout of a whole job from a model and a topology string ("tp=2,pp=2,dp=4,zero=1"):
+    weight buffers per tp-local tensor on every rank that holds it (dp rank 0 only with
+    ``weights_on_dp0_only``, as saved checkpoints hold them), and optimizer buffers (ZeRO-0 per
+    tensor, ZeRO-1/2 one flat partition per param group [weight decay, no weight decay] padded to a
+    multiple of ``align_factor * dp`` elements).
+
+    Raises InvalidArgument when the model does not fit the topology (names the field and rule).
+    """
+    return _C.build_layout(model_config(model), topology, None, None, weights_on_dp0_only, optimizer, align_factor)
+
+
+def build_layout(model, topology: str, *, stages: Optional[Mapping[str, Sequence[int]]] = None,
+                 groups: Optional[Sequence[Sequence[Mapping]]] = None, weights_on_dp0_only: bool = False,
+                 optimizer: bool = True, align_factor: int = 2) -> "Layout":
+    """Like :func:`derive_layout`, with what a live trainer knows:
+
+    * ``stages``: ``{canonical name: [pipeline stages holding it]}`` for tensors placed differently
+      from the uniform split (tied embeddings: ``[0, pp-1]``);
+    * ``groups``: the optimizer's param groups per (pp, tp) model shard, ``groups[pp_rank*tp +
+      tp_rank]`` = list of ``{"entries": [(canonical, flat_offset, numel), ...], "numel": N,
+      "partition_size": P, "no_weight_decay": bool}`` in flat order; offsets and sizes in elements
+      of the unpadded flat buffer (gaps allowed); P is this group's per-dp-rank partition length.
+      An empty list for a slot means "as derive_layout computes it".
+
+    Raises InvalidArgument naming the tensor or group when the groups disagree with the model
+    (unknown tensor, numel mismatch, partition too small).
+    """
+    return _C.build_layout(model_config(model), topology, None if stages is None else {k: list(v) for k, v in stages.items()},
+                           None if groups is None else [list(g) for g in groups], weights_on_dp0_only, optimizer,
+                           align_factor)
+
+
+def open_checkpoint(path: str, *, step: Optional[Union[str, int]] = None, model: Optional[str] = None) -> "Checkpoint":
+    """Opens a checkpoint root or step folder (native or DeepSpeed), reading headers only.
+
+    ``step``: None = the step ``latest`` names; else a folder name ("global_step20", "step-20") or
+    number. A missing step is an error, never a fallback. ``model``: a model YAML file for formats
+    that do not record the model (DeepSpeed).
+
+    Raises NotFound (path, step), InvalidArgument (a file, an empty or unrecognised folder),
+    DataLoss (corrupt metadata), Unsupported (a format or version this build cannot read).
+    """
+    return _C.open_checkpoint(str(path), "" if step is None else str(step), model or "")
+
+
+def inspect(path: str, *, step: Optional[Union[str, int]] = None, model: Optional[str] = None) -> dict:
+    """What a checkpoint holds, from headers only:
+    ``{"writer", "path", "layout" (topology string), "topology" {tp, pp, vpp, dp, zero, world_size},
+    "model" {...}, "tensors" [{name, shape (global, at the saved tp), split, reduction, owner, layer,
+    no_weight_decay, real_rows}], "files", "state_bytes" (bytes of all saved buffers),
+    "num_buffers", "state" {iteration, consumed_samples, step, json, per_rank {rank: bytes}},
+    "notes"}``. Errors as :func:`open_checkpoint`.
+    """
+    return open_checkpoint(path, step=step, model=model).inspect()
+
+
+def _policies(policies: Optional[Mapping]) -> dict:
+    p = dict(policies or {})
+    if "memory_budget_gib" in p:
+        p["memory_budget_bytes"] = int(float(p.pop("memory_budget_gib")) * 2**30)
+    for k in p:
+        if k not in _POLICY_KEYS:
+            raise InvalidArgument(f"unknown policy '{k}' (known: {', '.join(_POLICY_KEYS)}, memory_budget_gib)")
+    return p
+
+
+def _target_layout(ckpt: "Checkpoint", target) -> "Layout":
+    if isinstance(target, Layout):
+        return target
+    return _C.build_layout(ckpt.model, str(target), None, None, False, True, 2)
+
+
+def plan(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], *, step=None, model: Optional[str] = None,
+         policies: Optional[Mapping] = None) -> dict:
+    """Dry run: plans loading ``path`` into ``target`` (a Layout, or a topology string for which the
+    checkpoint's own model is laid out with :func:`derive_layout`), touching no tensor data.
+
+    Returns ``{"change", "source_layout", "target_layout", "source_world_size", "target_world_size",
+    "bytes_to_read", "bytes_needed", "bytes_to_exchange", "target_bytes",
+    "peak_staging_bytes_per_rank" (bytes), "read_amplification", "num_waves", "num_fragments",
+    "num_replica_compares", "plan_seconds", "notes"}``.
+
+    ``policies``: replicas ("error" | "average" | "first"), replica_atol (float, absolute),
+    strict_missing, strict_unexpected (bool), memory_budget_bytes (int, per rank per wave) or
+    memory_budget_gib, dedup, compare_replicas, weights_from_master (bool).
+
+    Raises DataLoss (elements no file covers, listed per tensor), InvalidArgument (missing or
+    unexpected tensors under strictness, shape mismatches, a budget below 64 KiB), and the errors
+    of :func:`open_checkpoint`.
+    """
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
+    return _json.loads(_C.plan(ckpt, _target_layout(ckpt, target), _policies(policies)))
+
+
+def local_communicator() -> "Communicator":
+    """A communicator of one rank: loads and saves from a single process."""
+    return _C.local_communicator()
+
+
+def communicator(group=None) -> "Communicator":
+    """A communicator over a torch.distributed process group (default: WORLD; gloo or NCCL), for
+    :func:`load` and :func:`save`. Its ranks are the group's ranks, which must equal the layout's
+    ranks. Raises FailedPrecondition when torch.distributed is not initialized."""
+    from ._comm import ProcessGroupComm
+    return _C.torch_communicator(ProcessGroupComm(group))
+
+
+def _default_comm(comm):
+    if comm is not None:
+        return comm
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return communicator()
+    return local_communicator()
+
+
+def _tensor_list(layout: "Layout", rank: int, tensors) -> List[Optional[torch.Tensor]]:
+    bufs = layout.buffers
+    if isinstance(tensors, Mapping):
+        out: List[Optional[torch.Tensor]] = [None] * len(bufs)
+        mine = {}
+        for i, b in enumerate(bufs):
+            if b["rank"] == rank:
+                mine[b["name"]] = i
+        for name, t in tensors.items():
+            if name not in mine:
+                raise InvalidArgument(f"tensor '{name}' is not a buffer of rank {rank} in layout {layout.topology}")
+            out[mine[name]] = t
+        missing = [n for n, i in mine.items() if out[i] is None]
+        if missing:
+            raise InvalidArgument(f"rank {rank} has no tensor for buffer(s) {', '.join(sorted(missing)[:8])}"
+                                  f"{' ...' if len(missing) > 8 else ''} of layout {layout.topology}")
+        return out
+    out = list(tensors)
+    if len(out) != len(bufs):
+        raise InvalidArgument(f"got {len(out)} tensors for a layout of {len(bufs)} buffers")
+    return out
+
+
+def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, *, comm: Optional["Communicator"] = None,
+         step=None, model: Optional[str] = None, policies: Optional[Mapping] = None, io_threads: int = 4,
+         verify: str = "free") -> dict:
+    """Loads a checkpoint into this rank's live tensors, resharding as needed. Collective over
+    ``comm`` (default: torch.distributed WORLD when initialized with more than one rank, else one
+    process): every rank calls it with the same path, target layout and policies.
+
+    ``tensors``: ``{buffer name: tensor}`` for every buffer of ``target`` whose rank is this rank
+    (or a list indexed like ``target.buffers`` with None for other ranks). Each tensor must be a
+    contiguous CPU tensor with the buffer's dtype and numel (shape free: a [out, in] weight or a 1-D
+    flat partition). They are written in place; nothing else is allocated at their size.
+
+    Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
+    "bytes_read", "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes" (bytes,
+    all ranks), "checksums_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
+    (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "policies", "not_carried",
+    "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
+    step, json, per_rank (only when the layout is identical)}, "text"}``.
+
+    Raises, on every rank and before any tensor is written: InvalidArgument (tensors that do not
+    match the layout, strictness, shapes), DataLoss (uncovered elements, missing or short files,
+    replicas that differ under policy "error": names the tensor and max |diff|), Unsupported
+    (policy "average", GPU tensors). FailedPrecondition when a failure happens after live tensors
+    were partly written: they are then unusable and the trainer must abort.
+    """
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
+    comm = _default_comm(comm)
+    layout = _target_layout(ckpt, target)
+    return _C.load(ckpt, layout, _tensor_list(layout, comm.rank, tensors), comm, _policies(policies), int(io_threads),
+                   str(verify))
+
+
+def save(root: str, step: str, layout: "Layout", tensors, *, state: Optional[Mapping] = None,
+         comm: Optional["Communicator"] = None) -> None:
+    """Saves one step in the native format (docs/format.md), collectively over ``comm``: ROOT/<step>
+    with metadata.json and one rank_NNNNN.safetensors per rank, written to a temporary folder,
+    fsynced, renamed, then ``latest`` updated. Use a layout built with ``weights_on_dp0_only=True``
+    so dp-replicated weights are written once.
+
+    ``tensors``: as in :func:`load` (this rank's buffers). ``state``: ``{"iteration",
+    "consumed_samples", "step" (int), "json" (str: one JSON object: scheduler, loss scaler, ...),
+    "per_rank" {rank: bytes} (RNG, sampler)}``.
+
+    Raises FailedPrecondition (ranks see different filesystems, or a rank failed to write),
+    InvalidArgument (bad step name, tensors that do not match the layout, comm size different from
+    the layout's world size).
+    """
+    comm = _default_comm(comm)
+    st = dict(state or {})
+    if "json" in st and not isinstance(st["json"], str):
+        st["json"] = _json.dumps(st["json"])
+    if "per_rank" in st:
+        st["per_rank"] = {int(k): bytes(v) for k, v in st["per_rank"].items()}
+    _C.save(str(root), str(step), layout, _tensor_list(layout, comm.rank, tensors), st, comm)
+
+
+def load_resume_config(path: str) -> dict:
+    """Reads a resume policy file (configs/resume/*.yaml): ``{"checkpoint" (root), "step" ("" =
+    latest), "model" (file or ""), "target" (topology string), "target_topology" {tp, pp, vpp, dp,
+    zero}, "policies" {replicas, replica_atol, strict_missing, strict_unexpected,
+    memory_budget_bytes, dedup, compare_replicas, weights_from_master}}``.
+
+    Raises NotFound for a missing file, InvalidArgument naming the field otherwise."""
+    return _C.load_resume_config(str(path))
+
+
+def parse_topology(text: str) -> dict:
+    """Parses "tp=2,pp=2,dp=4,zero=1" into {tp, pp, vpp, dp, zero, world_size, text}. Raises
+    InvalidArgument naming the key."""
+    return _C.parse_topology(text)
+
+
+def describe_change(source: str, target: str) -> str:
+    """The change between two topologies in words ("tp 2->4, dp 4->2, ZeRO-1 partitions re-cut")."""
+    return _C.describe_change(source, target)
+
+
+def synth_checkpoint(root: str, model, topology: str, seed: int, step: str = "step-1") -> None:
+    """Writes a synthetic native checkpoint (every value a pure function of seed, tensor, state and
+    logical index), for tests and benchmarks."""
+    _C.synth_checkpoint(str(root), model_config(model), topology, int(seed), step)
