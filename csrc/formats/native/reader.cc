@@ -67,7 +67,7 @@ class NativeReader final : public CheckpointReader {
     const size_t es = dtype_size(b.dtype);
     uint64_t off = loc.byte_offset + uint64_t(pc.base) * es;
     uint64_t len = uint64_t(piece_span(pc)) * es;
-    return file_names_[pc.buffer] + ": buffer " + b.name + " (rank " + std::to_string(b.rank) + "), tensor " +
+    return io::join(dir_, file_names_[pc.buffer]) + ": buffer " + b.name + " (rank " + std::to_string(b.rank) + "), tensor " +
            src_.layout.arrays[pc.array].key() + " " + pc.box.to_string() + ", " + byte_range(off, len);
   }
 
