@@ -251,6 +251,22 @@ TpShard tp_shard(const TensorSpec& spec, const ModelConfig& cfg, int tp, int t) 
   };
   switch (spec.split) {
     case Split::kReplicated:
+      if (spec.reduction == Reduction::kPartialSum) {
+        // Each tp rank holds its own partial value: the logical view gets a leading tp index, so
+        // rank t's copy is the box [t] x shape and no two ranks' values are taken for replicas.
+        if (nd > kMaxDims - 1)
+          fail(ErrorCode::kUnsupported, "tensor ", spec.name, " has ", nd, " dims; partial_sum tensors support at most ", kMaxDims - 1);
+        std::vector<int64_t> logical = {int64_t(tp)};
+        logical.insert(logical.end(), g.begin(), g.end());
+        std::vector<int64_t> local1 = logical;
+        local1[0] = 1;
+        Box b = full_box(logical);
+        b.off[0] = t;
+        b.len[0] = 1;
+        one_piece(logical, local1, b);
+        s.local_shape = g;
+        return s;
+      }
       one_piece(g, g, full_box(g));
       return s;
     case Split::kColumn:

@@ -299,6 +299,11 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
       continue;
     }
     const auto& sa = S.arrays[it->second];
+    if ((sa.reduction == Reduction::kPartialSum || ta.reduction == Reduction::kPartialSum) &&
+        S.topo.tp != target.topo.tp)
+      fail(ErrorCode::kUnsupported, "tensor ", ta.tensor, " is declared partial_sum (each tp rank holds a partial value); "
+           "merging by sum and splitting by division across a tp change (", S.topo.tp, "->", target.topo.tp,
+           ") is not implemented, and copying it as a replica would be wrong");
     if (!shapes_compatible(sa, ta)) {
       mismatched.push_back("tensor " + ta.tensor + " (" + state_kind_name(ta.state) + "): checkpoint shape " +
                            shape_str(sa) + " vs model shape " + shape_str(ta));

@@ -506,3 +506,37 @@ TEST(Coverage, MissingShardIsReportedWithTensorAndRegion) {  // B17
 
 }  // namespace
 }  // namespace reshard
+
+namespace reshard {
+namespace {
+
+TEST(PartialSum, TpChangeIsRefusedNotCopied) {
+  ModelConfig m = base_model();
+  m.bias = true;
+  m.rules.push_back({R"(layers\.\d+\.self_attention\.dense\.bias)", Split::kReplicated, Reduction::kPartialSum});
+  Layout a = weights_layout(m, "tp=2,dp=1");
+  MemCheckpoint ma(a);
+  try {
+    make_plan(ma.as_source(a), weights_layout(m, "tp=1,dp=1"));
+    FAIL() << "partial_sum across a tp change must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("self_attention.dense.bias is declared partial_sum"), std::string::npos) << e.what();
+  }
+  // dp-only changes keep each tp rank's partial value where it was: rank t gets tp rank t's value
+  // (the logical view has a leading tp index, so the copies are not treated as replicas).
+  ma.fill_truth(a);
+  Layout b = weights_layout(m, "tp=2,dp=2");
+  MemCheckpoint mb(b);
+  Plan p = make_plan(ma.as_source(a), b);
+  for (const auto& c : p.replica_compares) EXPECT_EQ(c.tensor.find("dense.bias"), std::string::npos) << c.tensor;
+  simulate_plan(p, b, ma.reader(), mb.ptrs());
+  std::string why;
+  EXPECT_EQ(testing::check_truth(b, mb, 1 << 30, &why), 0) << why;
+  const std::string t = "weight/layers.0.self_attention.dense.bias";
+  EXPECT_NE(mb.bufs[b.find_buffer(0, t)], mb.bufs[b.find_buffer(1, t)]) << "tp ranks keep distinct partial values";
+  EXPECT_EQ(mb.bufs[b.find_buffer(0, t)], mb.bufs[b.find_buffer(2, t)]) << "dp replicas of tp rank 0 agree";
+}
+
+}  // namespace
+}  // namespace reshard
