@@ -39,7 +39,8 @@
 //                     data.pkl, malformed pickle, tensor extent outside its storage record)
 //   kUnsupported      compressed ZIP entries, legacy serialization, big-endian archives,
 //                     pickle constructs this reader does not model (EXT codes, out-of-band buffers)
-//   kNotFound         (FileSource only) the file does not exist
+//   kNotFound         FileSource: the file does not exist; PyValue::at / TorchArchive::record:
+//                     the key or storage record is absent
 #pragma once
 
 #include <cstddef>
@@ -249,7 +250,9 @@ class PyValue {
   std::string repr(size_t max_len = 200) const;
 };
 
-/// Limits against hostile input; exceeding one throws kInvalidArgument naming it.
+/// Limits against hostile input; exceeding one throws kInvalidArgument naming it. Every value
+/// costs one opcode byte or more, so node count is also bounded by the pickle size; one node takes
+/// about 250 bytes of memory (PyValue plus its arena slot).
 struct PickleLimits {
   size_t max_depth = 512;          // nesting depth of containers
   size_t max_stack = 1u << 22;     // values on the VM stack (all marks together)
