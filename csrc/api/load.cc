@@ -73,6 +73,12 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   r.verify_bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.verify_bytes_read)));
   r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
   r.peak_staging_bytes = uint64_t(comm.all_reduce_max(int64_t(st.peak_staging_bytes)));
+  r.rank_bytes_read = st.bytes_read;
+  r.rank_bytes_sent = st.bytes_sent;
+  r.rank_bytes_received = st.bytes_received;
+  r.read_seconds = st.read_seconds;
+  r.exchange_seconds = st.exchange_seconds;
+  r.scatter_seconds = st.scatter_seconds;
   r.bytes_needed = plan.bytes_needed;
   r.target_bytes = plan.target_bytes;
   r.waves = plan.num_waves;
@@ -111,6 +117,12 @@ std::string LoadReport::to_json() const {
   j["seconds"] = seconds;
   j["gbps"] = gbps;
   j["waves"] = waves;
+  j["rank_bytes_read"] = rank_bytes_read;
+  j["rank_bytes_sent"] = rank_bytes_sent;
+  j["rank_bytes_received"] = rank_bytes_received;
+  j["read_seconds"] = read_seconds;
+  j["exchange_seconds"] = exchange_seconds;
+  j["scatter_seconds"] = scatter_seconds;
   j["peak_staging_bytes"] = peak_staging_bytes;
   j["policies"] = policies;
   j["not_carried"] = not_carried;

@@ -134,6 +134,9 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
       if (mem[f.buffer][f.base * es + i] != 0) { ADD_FAILURE() << "padding not zero in " << target.buffers[f.buffer].name; break; }
   }
   // Bytes: the plan's per-rank numbers are what ranks did; with dedup, read once overall.
+  EXPECT_EQ(r.rank_bytes_read, plan.ranks[me].bytes_read);
+  EXPECT_EQ(r.rank_bytes_sent, plan.ranks[me].bytes_sent);
+  EXPECT_EQ(r.rank_bytes_received, plan.ranks[me].bytes_received);
   EXPECT_EQ(r.bytes_read, plan.bytes_to_read);
   EXPECT_EQ(r.bytes_exchanged, plan.bytes_to_exchange);
   if (dedup) {
