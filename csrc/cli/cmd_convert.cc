@@ -1,8 +1,262 @@
+// reshard convert: offline conversion of a checkpoint to another layout through the same engine,
+// written as a native checkpoint. Two ways to run it:
+//  - one process (not launched by mpirun, or mpirun -np 1): plan to the target layout, hold every
+//    target buffer in memory, execute the whole plan with simulate_plan, save_native_all_ranks;
+//  - K ranks under mpirun with K = the target world size: each rank loads its buffers with
+//    reshard::load over make_world_communicator() and they save collectively with save_native.
+// Every input check (coverage, missing files, checksums of the pieces to read) runs before
+// anything is written under OUT; a failure leaves OUT as it was.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
 #include "cli/commands.h"
+#include "io/file.h"
+#include "reshard/checkpoint.h"
+#include "reshard/comm.h"
+#include "reshard/comm_mpi.h"
+#include "reshard/error.h"
+#include "reshard/native.h"
+#include "reshard/reshard.h"
+#include "reshard/simulate.h"
 
 namespace reshard::cli {
 
-// Not implemented yet: an empty Command is not registered.
-Command convert_command() { return {}; }
+namespace {
+struct ConvertArgs {
+  std::string in, out, target, budget, step, source_step, model, verify = "full";
+  bool no_dedup = false;
+};
+
+uint64_t parse_budget(const std::string& s) {
+  if (s.empty()) return uint64_t(1) << 30;
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  std::string unit = end ? end : "";
+  double mult = 1;
+  if (unit == "" || unit == "B") mult = 1;
+  else if (unit == "KiB") mult = 1024.0;
+  else if (unit == "MiB") mult = 1024.0 * 1024;
+  else if (unit == "GiB") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "GB") mult = 1e9;
+  else if (unit == "MB") mult = 1e6;
+  else fail(ErrorCode::kInvalidArgument, "--memory-budget '", s, "': unknown unit '", unit, "' (B, KiB, MiB, GiB, MB, GB)");
+  if (!(v > 0)) fail(ErrorCode::kInvalidArgument, "--memory-budget '", s, "' must be positive");
+  return uint64_t(v * mult);
+}
+
+std::string real_path(const std::string& p) {
+  char buf[PATH_MAX];
+  return ::realpath(p.c_str(), buf) ? std::string(buf) : p;
+}
+
+// Checksums of the pieces with index p % parts == part (native sources store one per piece).
+std::vector<std::string> check_pieces(const CheckpointReader& ckpt, int part, int parts) {
+  const SourceLayout& src = ckpt.source();
+  std::vector<int> todo;
+  for (size_t p = 0; p < src.layout.pieces.size(); ++p)
+    if (int(p % size_t(parts)) == part && src.locations[src.layout.pieces[p].buffer].file >= 0) todo.push_back(int(p));
+  std::vector<std::string> problems;
+  std::mutex mu;
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    std::vector<char> buf;
+    for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+      const Piece& pc = src.layout.pieces[todo[k]];
+      const Buffer& b = src.layout.buffers[pc.buffer];
+      const auto& loc = src.locations[pc.buffer];
+      const size_t es = dtype_size(b.dtype);
+      // Elements the piece spans in its buffer: base .. base + sum((len-1) * stride).
+      int64_t span = 1;
+      for (int d = 0; d < pc.box.ndim; ++d) span += (pc.box.len[d] - 1) * pc.strides[d];
+      if (pc.box.numel() == 0) continue;
+      const uint64_t off = loc.byte_offset + uint64_t(pc.base) * es, len = uint64_t(span) * es;
+      std::string why;
+      try {
+        buf.resize(len);
+        ckpt.read(loc.file, off, len, buf.data());
+        why = ckpt.verify_range(loc.file, off, len, buf.data());
+      } catch (const Error& e) {
+        why = e.what();
+      }
+      if (!why.empty()) {
+        std::lock_guard<std::mutex> lock(mu);
+        problems.push_back(why);
+      }
+    }
+  };
+  const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  for (unsigned i = 1; i < n; ++i) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  std::sort(problems.begin(), problems.end());
+  return problems;
+}
+
+[[noreturn]] void fail_checksums(const std::vector<std::string>& problems, const std::string& out) {
+  std::string msg = std::to_string(problems.size()) + " source piece(s) fail their checks; nothing was written to " + out + ": ";
+  for (size_t i = 0; i < problems.size() && i < 8; ++i) msg += (i ? "; " : "") + problems[i];
+  if (problems.size() > 8) msg += "; ... (`reshard verify` lists all)";
+  fail(ErrorCode::kDataLoss, msg);
+}
+
+// Source data files that do not exist, for a coverage error's message.
+std::string missing_files(const CheckpointReader& ckpt) {
+  std::string out;
+  int n = 0;
+  for (const auto& f : ckpt.source().files)
+    if (!io::exists(f)) out += (n++ ? ", " : "") + f;
+  return n ? "missing data file(s): " + out + "; " : "";
+}
+
+std::string step_name(const ConvertArgs& a, const CheckpointReader& ckpt) {
+  if (!a.step.empty()) return a.step;
+  if (ckpt.state().iteration >= 0) return "step-" + std::to_string(ckpt.state().iteration);
+  return io::base_name(ckpt.path());
+}
+
+double since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
+Command convert_command() {
+  auto a = std::make_shared<ConvertArgs>();
+  Command c;
+  c.add = [a](CLI::App& app) {
+    CLI::App* s = app.add_subcommand("convert", "Convert a checkpoint to another layout (native output)");
+    s->add_option("IN", a->in, "Source checkpoint (root or step folder; native or DeepSpeed)")->required();
+    s->add_option("OUT", a->out, "Output checkpoint root (a new step folder and `latest` are written)")->required();
+    s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=2,dp=2,zero=1")->required();
+    s->add_option("--memory-budget", a->budget, "Per-rank staging budget per wave (e.g. 1GiB; default 1GiB)");
+    s->add_option("--step", a->step, "Output step folder name (default step-<source iteration>)");
+    s->add_option("--source-step", a->source_step, "Source step to read (default: the one `latest` names)");
+    s->add_option("--model", a->model, "Model YAML where the source files do not record it (DeepSpeed)");
+    s->add_option("--verify", a->verify,
+                  "Source checksum checks before writing: full (every piece read, default), free (only fragments "
+                  "that are whole stored pieces), off")
+        ->check(CLI::IsMember({"full", "free", "off"}));
+    s->add_flag("--no-dedup", a->no_dedup, "Each rank reads what it needs (no fan-out)");
+    return s;
+  };
+  c.run = [a]() -> int {
+    const auto t0 = std::chrono::steady_clock::now();
+    Topology target_topo = Topology::parse(a->target);
+    target_topo.validate();
+    PlanOptions po;
+    po.memory_budget = parse_budget(a->budget);
+    po.dedup = !a->no_dedup;
+
+    std::unique_ptr<Communicator> comm;
+#ifdef RESHARD_HAVE_MPI
+    if (mpi_launched()) {
+      comm = make_world_communicator();
+      if (comm->size() != 1 && comm->size() != target_topo.world_size()) {
+        const int r = comm->rank();
+        const std::string msg = "convert under mpirun runs one rank per target rank: the target layout " +
+                                target_topo.to_string() + " has world size " + std::to_string(target_topo.world_size()) +
+                                " but the job has " + std::to_string(comm->size()) +
+                                " ranks (launch with -np " + std::to_string(target_topo.world_size()) +
+                                ", or run convert as one process)";
+        if (r == 0) fail(ErrorCode::kInvalidArgument, msg);
+        return 2;
+      }
+      if (comm->size() == 1) comm.reset();
+    }
+#endif
+    const int rank = comm ? comm->rank() : 0;
+    try {
+      OpenOptions oo;
+      oo.step = a->source_step;
+      if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
+      auto ckpt = open_checkpoint(a->in, oo);
+      const SourceLayout& src = ckpt->source();
+      DeriveOptions dopt;
+      dopt.weights_on_dp0_only = true;  // a saved checkpoint holds dp-replicated weights once
+      const Layout target = derive_layout(src.layout.model, target_topo, dopt);
+      const std::string step = step_name(*a, *ckpt);
+      if (io::exists(a->out) && !io::is_dir(a->out))
+        fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " is a file; give a folder");
+      if (io::is_dir(io::join(a->out, step)) && real_path(io::join(a->out, step)) == real_path(ckpt->path()))
+        fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " step ", step,
+             " is the source step folder itself; write elsewhere or choose --step");
+
+      // Plan first: coverage errors (missing files, uncovered ranges) before any read.
+      Plan plan;
+      try {
+        plan = make_plan(src, target, po);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kDataLoss) throw;
+        fail(ErrorCode::kDataLoss, missing_files(*ckpt), e.what());
+      }
+      // Checksums of every stored piece, split over the ranks, before anything is written.
+      if (a->verify == "full" && ckpt->writer() == "native") {
+        std::vector<std::string> problems = check_pieces(*ckpt, rank, comm ? comm->size() : 1);
+        if (comm) {
+          std::string mine;
+          for (const auto& p : problems) mine += p + "\n";
+          problems.clear();
+          for (const auto& s : comm->all_gather_strings(mine)) {
+            size_t i = 0, j;
+            while ((j = s.find('\n', i)) != std::string::npos) {
+              problems.push_back(s.substr(i, j - i));
+              i = j + 1;
+            }
+          }
+          std::sort(problems.begin(), problems.end());
+        }
+        if (!problems.empty()) fail_checksums(problems, a->out);
+      }
+
+      NonTensorState state = ckpt->state();
+      if (!(src.layout.topo == target.topo)) state.per_rank.clear();  // streams cannot be matched to new ranks
+
+      std::vector<std::vector<char>> storage(target.buffers.size());
+      std::vector<void*> ptrs(target.buffers.size(), nullptr);
+      for (size_t b = 0; b < target.buffers.size(); ++b) {
+        if (comm && target.buffers[b].rank != rank) continue;
+        storage[b].assign(std::max<size_t>(1, size_t(target.buffers[b].numel) * dtype_size(target.buffers[b].dtype)), 0);
+        ptrs[b] = storage[b].data();
+      }
+      std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
+      if (comm) {
+        LoadOptions lo;
+        lo.plan = po;
+        lo.verify = a->verify == "off" ? "off" : "free";
+        LoadReport r = load(*ckpt, target, ptrs, *comm, lo);
+        save_native(a->out, step, target, cptrs, state, *comm);
+        if (rank == 0) {
+          std::fputs(r.to_text().c_str(), stdout);
+          std::printf("wrote %s/%s (%d ranks under mpirun) in %.3f s\n", a->out.c_str(), step.c_str(), comm->size(),
+                      since(t0));
+        }
+      } else {
+        simulate_plan(plan, target,
+                      [&](int32_t f, uint64_t off, uint64_t len, void* dst) { ckpt->read(f, off, len, dst); }, ptrs);
+        save_native_all_ranks(a->out, step, target, cptrs, state);
+        std::printf("reshard: %s -> %s (%s), writer %s\n", src.layout.topo.to_string().c_str(),
+                    target.topo.to_string().c_str(), plan.change.c_str(), ckpt->writer().c_str());
+        std::printf("  read %.6f GB, wrote %.6f GB of state, %d wave(s)\n", plan.bytes_to_read / 1e9,
+                    plan.target_bytes / 1e9, plan.num_waves);
+        for (const auto& n : plan.notes) std::printf("  note: %s\n", n.c_str());
+        std::printf("wrote %s/%s (one process) in %.3f s\n", a->out.c_str(), step.c_str(), since(t0));
+      }
+    } catch (const Error&) {
+      // Every rank raises the same error (inputs and checks are shared); print it once.
+      if (comm && rank != 0) return 2;
+      throw;
+    }
+    return 0;
+  };
+  return c;
+}
 
 }  // namespace reshard::cli

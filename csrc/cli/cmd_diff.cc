@@ -1,8 +1,447 @@
+// reshard diff: compares the consolidated values of two checkpoints whatever their layouts, or a
+// checkpoint with a single-file safetensors state dict (tensor names = canonical names).
+//
+// Consolidation lives here too (inspect --stats uses it through consolidate_state()): the
+// checkpoint's own model is planned to a tp=1,pp=1,dp=1,zero=0 layout holding one state kind and
+// executed in memory with simulate_plan, so the full tensors of one state kind are held at once.
+// The target keeps every stored vocab row (its vocab_divisible_by is set to the source's padded
+// vocab), so padding rows can be compared where both sides have them.
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.h"
+#include "formats/safetensors/safetensors.h"
+#include "io/file.h"
+#include "reshard/checkpoint.h"
+#include "reshard/error.h"
+#include "reshard/layout.h"
+#include "reshard/plan.h"
+#include "reshard/simulate.h"
 
 namespace reshard::cli {
 
-// Not implemented yet: an empty Command is not registered.
-Command diff_command() { return {}; }
+/// One consolidated tensor of one state kind (canonical name, global shape at tp=1 with every
+/// stored vocab row, row-major data of `dtype`).
+struct ConsolidatedTensor {
+  std::string tensor;
+  StateKind state = StateKind::kWeight;
+  std::vector<int64_t> shape;
+  int64_t real_rows = -1;  // vocab tensors: rows >= real_rows are padding
+  DType dtype = DType::F32;
+  const void* data = nullptr;
+  int64_t numel = 0;
+};
+
+/// True when the checkpoint holds (or can derive) state kind `s`: weights come from the fp32
+/// master when the files hold no 16-bit copy (ZeRO-3).
+bool has_state(const CheckpointReader& ckpt, StateKind s) {
+  for (const auto& a : ckpt.source().layout.arrays)
+    if (a.state == s || (s == StateKind::kWeight && a.state == StateKind::kMaster)) return true;
+  return false;
+}
+
+/// Consolidates state kind `s` of the whole checkpoint in memory and calls `fn` once per tensor,
+/// in the model's parameter order. Throws the planner's errors (coverage: kDataLoss naming the
+/// missing buffers and uncovered ranges) and the reader's (kDataLoss naming file and range).
+void consolidate_state(const CheckpointReader& ckpt, StateKind s,
+                       const std::function<void(const ConsolidatedTensor&)>& fn) {
+  const SourceLayout& src = ckpt.source();
+  ModelConfig m = src.layout.model;
+  int64_t vp = -1;
+  for (const auto& a : src.layout.arrays)
+    if (a.real_rows >= 0 && a.ndim > 0) vp = std::max(vp, a.shape[0]);
+  if (vp > 0 && m.padded_vocab(1) != vp) m.vocab_divisible_by = int(vp);
+  Topology t;  // tp=1, pp=1, vpp=1, dp=1, zero=0
+  DeriveOptions o;
+  o.weights_on_dp0_only = true;
+  o.optimizer = s != StateKind::kWeight;
+  Layout full = derive_layout(m, t, o);
+
+  // Keep only the arrays and buffers of state kind s.
+  Layout L;
+  L.topo = full.topo;
+  L.model = full.model;
+  L.tensors = full.tensors;
+  std::vector<int32_t> amap(full.arrays.size(), -1), bmap(full.buffers.size(), -1);
+  for (size_t i = 0; i < full.arrays.size(); ++i)
+    if (full.arrays[i].state == s) {
+      amap[i] = int32_t(L.arrays.size());
+      L.arrays.push_back(full.arrays[i]);
+    }
+  for (size_t i = 0; i < full.buffers.size(); ++i)
+    if (full.buffers[i].state == s) {
+      bmap[i] = int32_t(L.buffers.size());
+      L.buffers.push_back(full.buffers[i]);
+    }
+  std::vector<int32_t> buffer_of_array(L.arrays.size(), -1);
+  for (const Piece& p : full.pieces) {
+    if (amap[p.array] < 0 || bmap[p.buffer] < 0) continue;
+    Piece q = p;
+    q.array = amap[p.array];
+    q.buffer = bmap[p.buffer];
+    RESHARD_CHECK(buffer_of_array[q.array] < 0 || buffer_of_array[q.array] == q.buffer,
+                  "consolidation: array ", L.arrays[q.array].key(), " spans several buffers");
+    buffer_of_array[q.array] = q.buffer;
+    L.pieces.push_back(q);
+  }
+
+  PlanOptions po;
+  po.strict_unexpected = false;  // the source's other state kinds are not wanted here
+  Plan plan = make_plan(src, L, po);
+  std::vector<std::vector<char>> storage(L.buffers.size());
+  std::vector<void*> ptrs(L.buffers.size());
+  for (size_t b = 0; b < L.buffers.size(); ++b) {
+    storage[b].assign(size_t(L.buffers[b].numel) * dtype_size(L.buffers[b].dtype), 0);
+    ptrs[b] = storage[b].data();
+  }
+  simulate_plan(plan, L, [&](int32_t f, uint64_t off, uint64_t len, void* dst) { ckpt.read(f, off, len, dst); }, ptrs);
+
+  std::map<std::string, const TensorSpec*> spec_of;
+  for (const auto& t2 : L.tensors) spec_of[t2.name] = &t2;
+  for (size_t a = 0; a < L.arrays.size(); ++a) {
+    const LogicalArray& la = L.arrays[a];
+    if (buffer_of_array[a] < 0) continue;
+    const Buffer& b = L.buffers[buffer_of_array[a]];
+    ConsolidatedTensor ct;
+    ct.tensor = la.tensor;
+    ct.state = s;
+    const TensorSpec* spec = spec_of.count(la.tensor) ? spec_of[la.tensor] : nullptr;
+    if (spec) ct.shape = spec->shape;
+    int64_t n = 1;
+    for (auto d : ct.shape) n *= d;
+    RESHARD_CHECK(spec && n == b.numel, "consolidation: tensor ", la.tensor, " has ", b.numel,
+                  " elements in its buffer");
+    ct.real_rows = la.real_rows;
+    ct.dtype = b.dtype;
+    ct.data = storage[buffer_of_array[a]].data();
+    ct.numel = b.numel;
+    fn(ct);
+  }
+}
+
+namespace {
+
+struct DiffArgs {
+  std::string a, b, state = "all", model_a, model_b;
+  double atol = 0;
+  bool json = false;
+};
+
+bool is_regular_file(const std::string& p) {
+  struct stat st;
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// A held tensor (copied out of a consolidation or read from a safetensors file).
+struct Held {
+  std::vector<int64_t> shape;
+  int64_t real_rows = -1;
+  DType dtype = DType::F32;
+  std::vector<char> data;
+  int64_t numel = 0;
+};
+
+struct SafetensorsFile {
+  std::string path;
+  std::map<std::string, Held> tensors;
+  bool all_f32 = true;
+};
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  SafetensorsFile f;
+  f.path = path;
+  io::File fh = io::File::open_read(path);
+  const uint64_t size = fh.size();
+  if (size < 8) fail(ErrorCode::kInvalidArgument, path, " is not a safetensors file (", size, " bytes)");
+  uint8_t prefix[8];
+  fh.pread(0, 8, prefix);
+  const uint64_t n = safetensors::parse_header_size(prefix, size, path);
+  std::string htext(size_t(n), '\0');
+  fh.pread(8, n, htext.data());
+  safetensors::Header h = safetensors::parse_header(htext, path);
+  if (h.data_start + h.buffer_size > size)
+    fail(ErrorCode::kDataLoss, path, ": the header describes ", h.buffer_size, " data bytes but the file ends at byte ",
+         size);
+  for (const auto& [name, t] : h.tensors) {
+    if (!t.rtype) fail(ErrorCode::kUnsupported, path, ": tensor ", name, " has dtype ", t.dtype, ", which reshard does not read");
+    Held x;
+    x.shape = t.shape;
+    x.dtype = *t.rtype;
+    x.numel = t.numel();
+    x.data.resize(t.end - t.begin);
+    fh.pread(h.data_start + t.begin, t.end - t.begin, x.data.data());
+    f.all_f32 &= x.dtype == DType::F32;
+    f.tensors.emplace(name, std::move(x));
+  }
+  if (f.tensors.empty()) fail(ErrorCode::kInvalidArgument, path, " holds no tensors");
+  return f;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+struct Compared {
+  std::string tensor, state, note;
+  double max_abs_diff = 0;
+  bool bitwise = false, ok = false, comparable = true;
+  int64_t numel = 0;
+};
+
+// Elements [0, n) of two tensors converted to double in chunks.
+double max_abs_diff(const void* a, DType ta, const void* b, DType tb, int64_t n) {
+  if (!dtype_is_float(ta) || !dtype_is_float(tb)) {
+    if (ta != tb) return INFINITY;
+    return std::memcmp(a, b, size_t(n) * dtype_size(ta)) == 0 ? 0.0 : INFINITY;
+  }
+  constexpr int64_t kChunk = 1 << 16;
+  std::vector<double> x(kChunk), y(kChunk);
+  double m = 0;
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t k = std::min(kChunk, n - i);
+    convert_elements(static_cast<const char*>(a) + i * dtype_size(ta), ta, x.data(), DType::F64, size_t(k));
+    convert_elements(static_cast<const char*>(b) + i * dtype_size(tb), tb, y.data(), DType::F64, size_t(k));
+    for (int64_t j = 0; j < k; ++j) {
+      const bool na = std::isnan(x[j]), nb = std::isnan(y[j]);
+      if (na || nb) {
+        if (!(na && nb)) m = INFINITY;
+        continue;
+      }
+      const double d = std::fabs(x[j] - y[j]);
+      if (d > m || std::isnan(d)) m = std::isnan(d) ? INFINITY : d;
+    }
+  }
+  return m;
+}
+
+Compared compare(const std::string& name, const std::string& state, const Held& a, const Held& b, double atol) {
+  Compared c;
+  c.tensor = name;
+  c.state = state;
+  const bool vocab = a.real_rows >= 0 || b.real_rows >= 0;
+  bool same_inner = a.shape.size() == b.shape.size() && !a.shape.empty();
+  for (size_t d = 1; same_inner && d < a.shape.size(); ++d) same_inner = a.shape[d] == b.shape[d];
+  if (a.shape.empty() && b.shape.empty()) same_inner = true;
+  if (!same_inner || (!vocab && a.shape != b.shape)) {
+    c.comparable = false;
+    c.note = "shape " + shape_str(a.shape) + " vs " + shape_str(b.shape);
+    c.max_abs_diff = INFINITY;
+    return c;
+  }
+  int64_t n = a.numel;
+  if (a.shape != b.shape) {  // vocab padding rows: compare the rows both sides have
+    int64_t row = 1;
+    for (size_t d = 1; d < a.shape.size(); ++d) row *= a.shape[d];
+    const int64_t rows = std::min(a.shape[0], b.shape[0]);
+    const int64_t real = std::max(a.real_rows, b.real_rows);
+    if (real > rows) {
+      c.comparable = false;
+      c.note = "shape " + shape_str(a.shape) + " vs " + shape_str(b.shape) + " (fewer rows than the vocab)";
+      c.max_abs_diff = INFINITY;
+      return c;
+    }
+    n = rows * row;
+    c.note = "first " + std::to_string(rows) + " rows of " + shape_str(a.shape) + " vs " + shape_str(b.shape);
+  }
+  c.numel = n;
+  if (a.dtype == b.dtype && std::memcmp(a.data.data(), b.data.data(), size_t(n) * dtype_size(a.dtype)) == 0) {
+    c.bitwise = c.ok = true;
+    return c;
+  }
+  c.max_abs_diff = max_abs_diff(a.data.data(), a.dtype, b.data.data(), b.dtype, n);
+  c.ok = c.max_abs_diff <= atol;
+  if (a.dtype != b.dtype) c.note += std::string(c.note.empty() ? "" : "; ") + dtype_name(a.dtype) + " vs " + dtype_name(b.dtype);
+  return c;
+}
+
+Held hold(const ConsolidatedTensor& t) {
+  Held h;
+  h.shape = t.shape;
+  h.real_rows = t.real_rows;
+  h.dtype = t.dtype;
+  h.numel = t.numel;
+  const char* p = static_cast<const char*>(t.data);
+  h.data.assign(p, p + size_t(t.numel) * dtype_size(t.dtype));
+  return h;
+}
+
+std::string fmt(double d) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", d);
+  return buf;
+}
+
+}  // namespace
+
+Command diff_command() {
+  auto a = std::make_shared<DiffArgs>();
+  Command c;
+  c.add = [a](CLI::App& app) {
+    CLI::App* s = app.add_subcommand(
+        "diff", "Compare the consolidated values of two checkpoints (any layouts) or a safetensors state dict");
+    s->add_option("A", a->a, "Checkpoint (root or step folder) or a .safetensors state dict")->required();
+    s->add_option("B", a->b, "Checkpoint (root or step folder) or a .safetensors state dict")->required();
+    s->add_option("--atol", a->atol, "Largest absolute difference still counted as equal (default 0: exact)");
+    s->add_option("--state", a->state, "State kind to compare: fp32, weights, exp_avg, exp_avg_sq or all")
+        ->check(CLI::IsMember({"fp32", "weights", "weight", "exp_avg", "exp_avg_sq", "all"}));
+    s->add_option("--model-a", a->model_a, "Model YAML for A where its files do not record it (DeepSpeed)");
+    s->add_option("--model-b", a->model_b, "Model YAML for B where its files do not record it (DeepSpeed)");
+    s->add_flag("--json", a->json, "Print the per-tensor results as JSON");
+    return s;
+  };
+  c.run = [a]() {
+    if (a->atol < 0 || std::isnan(a->atol)) fail(ErrorCode::kInvalidArgument, "--atol ", a->atol, " must be >= 0");
+    // Open both sides first, so that an unreadable input fails before any comparison.
+    std::unique_ptr<CheckpointReader> ca, cb;
+    std::unique_ptr<SafetensorsFile> fa, fb;
+    auto open_side = [](const std::string& p, const std::string& model, std::unique_ptr<CheckpointReader>* ck,
+                        std::unique_ptr<SafetensorsFile>* f) {
+      if (is_regular_file(p) && p.size() > 12 && p.compare(p.size() - 12, 12, ".safetensors") == 0) {
+        *f = std::make_unique<SafetensorsFile>(read_safetensors(p));
+      } else {
+        OpenOptions oo;
+        if (!model.empty()) oo.model_path = resolve_model_path(model);
+        *ck = open_checkpoint(p, oo);
+      }
+    };
+    open_side(a->a, a->model_a, &ca, &fa);
+    open_side(a->b, a->model_b, &cb, &fb);
+
+    std::vector<StateKind> states;
+    const std::string st = a->state == "weights" ? "weight" : a->state;
+    if (st == "all") {
+      if (fa || fb) {
+        const SafetensorsFile& f = fa ? *fa : *fb;
+        states = {f.all_f32 ? StateKind::kMaster : StateKind::kWeight};
+      } else {
+        states = {StateKind::kWeight, StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq};
+      }
+    } else {
+      states = {state_kind_from_name(st)};
+    }
+
+    std::vector<Compared> results;
+    std::vector<std::string> header_notes;
+    for (StateKind s : states) {
+      const std::string sname = state_kind_name(s);
+      // Side A's tensors of this state, held.
+      std::map<std::string, Held> left;
+      std::vector<std::string> order;
+      bool a_has = true, b_has = true;
+      if (fa) {
+        for (auto& [n, h] : fa->tensors) {
+          left.emplace(n, h);
+          order.push_back(n);
+        }
+      } else if (has_state(*ca, s)) {
+        consolidate_state(*ca, s, [&](const ConsolidatedTensor& t) {
+          left.emplace(t.tensor, hold(t));
+          order.push_back(t.tensor);
+        });
+      } else {
+        a_has = false;
+      }
+      if (cb && !has_state(*cb, s)) b_has = false;
+      if (!a_has || !b_has) {
+        if (a_has || b_has) {
+          Compared x;
+          x.tensor = "*";
+          x.state = sname;
+          x.comparable = false;
+          x.max_abs_diff = INFINITY;
+          x.note = std::string("state ") + sname + " only in " + (a_has ? "A" : "B");
+          results.push_back(x);
+        }
+        continue;
+      }
+      std::map<std::string, bool> seen;
+      auto against = [&](const std::string& name, const Held& right) {
+        auto it = left.find(name);
+        seen[name] = true;
+        if (it == left.end()) {
+          Compared x;
+          x.tensor = name;
+          x.state = sname;
+          x.comparable = false;
+          x.max_abs_diff = INFINITY;
+          x.note = "only in B";
+          results.push_back(x);
+          return;
+        }
+        results.push_back(compare(name, sname, it->second, right, a->atol));
+        left.erase(it);  // free memory early
+      };
+      if (fb) {
+        for (auto& [n, h] : fb->tensors) against(n, h);
+      } else {
+        consolidate_state(*cb, s, [&](const ConsolidatedTensor& t) { against(t.tensor, hold(t)); });
+      }
+      for (const auto& n : order)
+        if (!seen.count(n)) {
+          Compared x;
+          x.tensor = n;
+          x.state = sname;
+          x.comparable = false;
+          x.max_abs_diff = INFINITY;
+          x.note = "only in A";
+          results.push_back(x);
+        }
+    }
+    if ((fa || fb) && !(fa && fb))
+      header_notes.push_back(std::string("the safetensors file is compared with the checkpoint's ") +
+                             state_kind_name(states[0]) + " state" +
+                             (a->state == "all" ? " (chosen from the file's dtypes; --state to change)" : ""));
+
+    size_t equal = 0, bitwise = 0;
+    for (const auto& r : results) {
+      equal += r.ok;
+      bitwise += r.bitwise;
+    }
+    const bool all_ok = equal == results.size();
+    if (a->json) {
+      nlohmann::json j;
+      j["a"] = a->a;
+      j["b"] = a->b;
+      j["atol"] = a->atol;
+      j["equal"] = all_ok;
+      j["notes"] = header_notes;
+      j["tensors"] = nlohmann::json::array();
+      for (const auto& r : results) {
+        nlohmann::json t;
+        t["tensor"] = r.tensor;
+        t["state"] = r.state;
+        t["max_abs_diff"] = std::isfinite(r.max_abs_diff) ? nlohmann::json(r.max_abs_diff) : nlohmann::json(nullptr);
+        t["equal"] = r.ok;
+        t["bitwise"] = r.bitwise;
+        t["numel"] = r.numel;
+        if (!r.note.empty()) t["note"] = r.note;
+        j["tensors"].push_back(t);
+      }
+      j["compared"] = results.size();
+      j["num_equal"] = equal;
+      j["num_bitwise"] = bitwise;
+      std::cout << j.dump(2) << std::endl;
+    } else {
+      for (const auto& n : header_notes) std::printf("note: %s\n", n.c_str());
+      for (const auto& r : results) {
+        std::string d = r.comparable ? fmt(r.max_abs_diff) : "-";
+        std::printf("%-8s %s (%s): max |diff| %s%s%s\n", r.ok ? "equal" : "DIFFERS", r.tensor.c_str(), r.state.c_str(),
+                    d.c_str(), r.bitwise ? " (bitwise)" : "", r.note.empty() ? "" : ("  [" + r.note + "]").c_str());
+      }
+      std::printf("%zu tensor(s) compared: %zu equal (%zu bitwise), %zu differ%s\n", results.size(), equal, bitwise,
+                  results.size() - equal, a->atol > 0 ? (" (atol " + fmt(a->atol) + ")").c_str() : "");
+    }
+    return all_ok ? 0 : 1;
+  };
+  return c;
+}
 
 }  // namespace reshard::cli

@@ -1,8 +1,54 @@
+// reshard synth: a checkpoint with deterministic pseudo-random weights and optimizer state
+// (16-bit weights, fp32 master, exp_avg, exp_avg_sq, step) at any layout, written by one process.
+// Every element is a pure function of (seed, tensor, state, logical index), so synth at two
+// layouts with the same seed holds the same consolidated model (native.h synth_checkpoint).
+#include <cstdio>
+
 #include "cli/commands.h"
+#include "io/file.h"
+#include "reshard/config.h"
+#include "reshard/error.h"
+#include "reshard/layout.h"
+#include "reshard/native.h"
 
 namespace reshard::cli {
 
-// Not implemented yet: an empty Command is not registered.
-Command synth_command() { return {}; }
+namespace {
+struct SynthArgs {
+  std::string out, model, layout, step;
+  uint64_t seed = 0;
+};
+}  // namespace
+
+Command synth_command() {
+  auto a = std::make_shared<SynthArgs>();
+  Command c;
+  c.add = [a](CLI::App& app) {
+    CLI::App* s = app.add_subcommand("synth", "Write a checkpoint with deterministic pseudo-random state");
+    s->add_option("OUT", a->out, "Checkpoint root to write (created; `latest` names the new step)")->required();
+    s->add_option("--model", a->model, "Model YAML (path or name under configs/models)")->required();
+    s->add_option("--layout", a->layout, "Layout, e.g. tp=2,pp=2,dp=2,zero=1")->required();
+    s->add_option("--seed", a->seed, "Seed of the values (default 0)");
+    s->add_option("--step", a->step, "Step folder name (default step-<iteration>, iteration = 1 + seed % 1000)");
+    return s;
+  };
+  c.run = [a]() {
+    ModelConfig m = load_model_config(resolve_model_path(a->model));
+    Topology t = Topology::parse(a->layout);
+    t.validate();
+    DeriveOptions o;
+    o.weights_on_dp0_only = true;
+    const Layout L = derive_layout(m, t, o);  // validates model against layout before writing
+    if (io::exists(a->out) && !io::is_dir(a->out))
+      fail(ErrorCode::kInvalidArgument, "synth: ", a->out, " is a file; give a folder to write the checkpoint into");
+    const std::string step = a->step.empty() ? "step-" + std::to_string(1 + a->seed % 1000) : a->step;
+    synth_checkpoint(a->out, m, t, a->seed, step);
+    std::printf("wrote %s/%s: model %s, layout %s, %d rank file(s), %.3f GB of state, seed %llu\n", a->out.c_str(),
+                step.c_str(), m.name.c_str(), t.to_string().c_str(), t.world_size(), L.total_bytes() / 1e9,
+                (unsigned long long)a->seed);
+    return 0;
+  };
+  return c;
+}
 
 }  // namespace reshard::cli
