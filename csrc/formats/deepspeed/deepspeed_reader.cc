@@ -773,6 +773,7 @@ void Builder::build() {
   }
   static const std::regex lre(R"(layers\.(\d+)\..*)");
   int num_transformer = 0;
+  std::map<std::string, int> dead_copies;  // tensor -> the one stage whose copy is kept
   for (auto& t : specs) {
     switch (t.split) {
       case Split::kColumn: case Split::kVocab: case Split::kQkv: case Split::kSwiglu:
@@ -788,10 +789,17 @@ void Builder::build() {
     if (t.split == Split::kVocab) t.real_rows = std::min<int64_t>(cfg.vocab, t.shape[0]);
     std::smatch m;
     const auto& st = seen[t.name].stages;
+    // Owners as Megatron means them; an unknown tensor by where the files put it.
     if (std::regex_match(t.name, m, lre)) {
       t.owner = Owner::kLayer;
       t.layer = std::stoi(m[1]);
       num_transformer = std::max(num_transformer, t.layer + 1);
+    } else if (t.name == "embedding.word_embeddings.weight") {
+      t.owner = cfg.tied_embeddings ? Owner::kFirstAndLast : Owner::kFirstStage;
+    } else if (t.name.rfind("embedding.", 0) == 0) {
+      t.owner = Owner::kFirstStage;
+    } else if (t.name.rfind("final_layernorm.", 0) == 0 || t.name.rfind("lm_head.", 0) == 0) {
+      t.owner = Owner::kLastStage;
     } else if (st.count(0) && st.count(pp - 1) && pp > 1) {
       t.owner = Owner::kFirstAndLast;
     } else if (st.count(pp - 1) && !st.count(0)) {
@@ -799,7 +807,15 @@ void Builder::build() {
     } else {
       t.owner = Owner::kFirstStage;
     }
-    if (t.name == "embedding.word_embeddings.weight" && cfg.tied_embeddings) t.owner = Owner::kFirstAndLast;
+    // A tied module's other parameters (e.g. learned position embeddings in the tied 'embed'
+    // module) also sit on the last stage, but DeepSpeed all-reduces only the tied attribute: the
+    // extra copies are unused by the forward and drift (weight decay, zero gradients). The copy on
+    // the owning stage is the real one (ds_to_universal also takes pipeline stage 0's).
+    if (seen[t.name].ds_name.rfind("tied_modules.", 0) == 0 && t.owner == Owner::kFirstStage && st.size() > 1) {
+      dead_copies[t.name] = *st.begin();
+      note("tensor " + t.name + " (" + seen[t.name].ds_name + "): copies on stages other than " + std::to_string(*st.begin()) +
+           " are ignored; DeepSpeed synchronizes only the tied weight of a tied module, so they are not replicas");
+    }
   }
   // Cross-checks of the model description against the files.
   {
@@ -828,7 +844,8 @@ void Builder::build() {
   recipe.tensors = specs;
   for (auto& t : specs) {
     auto& st = seen[t.name].stages;
-    recipe.stages.emplace_back(st.begin(), st.end());
+    if (dead_copies.count(t.name)) recipe.stages.push_back({dead_copies[t.name]});
+    else recipe.stages.emplace_back(st.begin(), st.end());
   }
   std::map<std::string, size_t> spec_index;
   for (size_t i = 0; i < specs.size(); ++i) spec_index[specs[i].name] = i;
@@ -1163,6 +1180,8 @@ void Builder::build() {
     std::vector<Piece> np;
     for (Piece pc : L.pieces) {
       if (bmap[pc.buffer] < 0 || amap[pc.array] < 0) continue;
+      auto dc = dead_copies.find(L.arrays[pc.array].tensor);
+      if (dc != dead_copies.end() && topo.pp_rank(L.buffers[pc.buffer].rank) != dc->second) continue;
       pc.buffer = bmap[pc.buffer];
       pc.array = amap[pc.array];
       np.push_back(pc);
