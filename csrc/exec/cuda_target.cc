@@ -246,10 +246,10 @@ struct DirectResult {
 };
 
 DirectResult run_direct(const Plan& plan, const Layout& target, const CheckpointReader& src,
-                        const std::vector<void*>& dev, int me, const CudaLoadOptions& co, bool mmap_mode, bool verify,
+                        const std::vector<void*>& dev, int me, int threads, bool mmap_mode, bool verify,
                         Staging& stg) {
   DirectResult res;
-  const int T = stg.threads, S = stg.slots;
+  const int T = std::min(threads, stg.threads), S = stg.slots;
   const uint64_t chunk = stg.chunk;
 
   // Fragments this rank reads, in file order.
@@ -643,7 +643,7 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     cs.io_threads = threads;
     cs.pinned_bytes = uint64_t(threads) * slots * chunk;
     auto tc = Clock::now();
-    DirectResult d = run_direct(plan, target, ckpt, dev, me, co, source_mode == "mmap", options.verify == "free", g_staging);
+    DirectResult d = run_direct(plan, target, ckpt, dev, me, threads, source_mode == "mmap", options.verify == "free", g_staging);
     cs.copy_seconds = since(tc);
     cs.h2d_bytes = d.h2d;
     cs.gpu_converted_bytes = d.converted;
