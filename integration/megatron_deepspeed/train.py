@@ -117,6 +117,15 @@ class FortuneData:
 # ----------------------------------------------------------------------------------------------
 
 
+class _ResumeConfigAction(argparse.Action):
+    """--resume-config also marks the run as resuming (main() loads when args.load is set)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        if getattr(namespace, "load", None) is None:
+            namespace.load = values
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("parallel")
@@ -157,6 +166,15 @@ def build_parser():
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
     g.add_argument("--load", default=None)
+    g = p.add_argument_group("reshard (load a checkpoint saved under any layout)")
+    g.add_argument("--load-with", choices=["deepspeed", "reshard"], default="deepspeed",
+                   help="loader for --load: DeepSpeed's own (same layout only) or reshard (any layout)")
+    g.add_argument("--load-step", default=None, help="reshard: step to load (default: latest)")
+    g.add_argument("--resume-config", default=None, action=_ResumeConfigAction,
+                   help="configs/resume/*.yaml: checkpoint, target layout and policies; loads with reshard")
+    g.add_argument("--reshard-replicas", choices=["error", "average", "first"], default=None,
+                   help="reshard: policy for tp/pipeline replicas that differ (default error)")
+    g.add_argument("--reshard-report", default=None, help="reshard: write the load report (JSON) here (rank 0)")
     g.add_argument("--log-json", default=None)
     g.add_argument("--quiet", action="store_true")
     g.add_argument("--verbose", action="store_true", help="DeepSpeed INFO logging")
@@ -266,9 +284,26 @@ def save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, no_pipeline
 def load_with(engine, args):
     """Hook point: load a checkpoint into the engine and return (iteration, consumed_samples).
 
-    For now this is DeepSpeed's own same-layout load_checkpoint. A reshard-based loader (different
-    saved layout -> this engine's layout) will replace the body of this function.
+    --resume-config FILE or --load-with reshard: reshard reads the checkpoint (native or DeepSpeed,
+    any saved layout) and fills the live engine in place (reshard_hook.reshard_load); otherwise
+    DeepSpeed's own same-layout load_checkpoint.
     """
+    if args.resume_config or args.load_with == "reshard":
+        from . import reshard_hook as RH
+        if args.resume_config:
+            iteration, consumed, report = RH.load_from_resume_config(engine, args, args.resume_config)
+        else:
+            policies = {"replicas": args.reshard_replicas} if args.reshard_replicas else None
+            iteration, consumed, report = RH.reshard_load(engine, args, args.load, step=args.load_step,
+                                                          policies=policies)
+        if dist.get_rank() == 0:
+            if not args.quiet:
+                print(report["text"], end="", flush=True)
+                print(f"  rng: {report['rng']}; {report['bit16_check']}", flush=True)
+            if args.reshard_report:
+                with open(args.reshard_report, "w") as f:
+                    json.dump({k: v for k, v in report.items() if k != "text"}, f, indent=1)
+        return iteration, consumed
     path, cs = engine.load_checkpoint(args.load, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint under {args.load}")

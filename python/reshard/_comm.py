@@ -73,8 +73,7 @@ class ProcessGroupComm:
             p = bad[0]
             raise RuntimeError(f"all_to_all_v count mismatch: rank {p} sends {int(expect[p])} bytes to rank "
                                f"{self.rank}, which expects {int(recv_counts[p])}")
-        if n_send + n_recv == 0:
-            return
+        # No early return when this rank has nothing to move: all_to_all_single is collective.
         # Pack into contiguous rank order where the displacements are not already packed.
         if self._packed(send_counts, send_displs):
             start = min([d for c, d in zip(send_counts, send_displs) if c] or [0])

@@ -1,0 +1,174 @@
+"""Dump and consolidate the live training state of the reference trainer (tests and the demo).
+
+    mpirun ... python -m integration.megatron_deepspeed.state_dump --dump-dir D --dump-at load|save \\
+        <train.py arguments>
+
+runs train.py and, right after its load step (--dump-at load: then exits) or at each save point
+(--dump-at save), writes D/rank<r>.pt per rank: module weights by canonical name (tp-local), the
+ZeRO fp32 partitions, exp_avg, exp_avg_sq, step, and the flat-group description. `consolidate(D)`
+turns a dump of any layout into full (tp-merged, dp-gathered) tensors per canonical name, so
+dumps of different layouts can be compared value by value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+import torch
+
+
+def dump_engine(engine, path: str, extra: dict = None):
+    import torch.distributed as dist
+    from .reshard_hook import LiveState
+    live = LiveState(engine, engine.module.gpt_config)
+    d = {"stage": live.stage, "tp_rank": live.tp_rank, "dp_rank": live.dp_rank, "tp": live.tp, "pp": live.pp,
+         "dp": live.dp, "groups": live.groups, "dead": sorted(live.dead),
+         "weight": {k: p.detach().clone() for k, p in live.params.items()},
+         "fp32": [p.detach().clone() for p in live.zopt.single_partition_of_fp32_groups],
+         "exp_avg": [], "exp_avg_sq": [], "step": []}
+    for part in live.zopt.single_partition_of_fp32_groups:
+        st = live.torch_opt.state.get(part, {})
+        d["exp_avg"].append(st["exp_avg"].clone() if "exp_avg" in st else None)
+        d["exp_avg_sq"].append(st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None)
+        s = st.get("step")
+        d["step"].append(None if s is None else float(s))
+    d["global_steps"] = int(engine.global_steps)
+    d["global_samples"] = int(engine.global_samples)
+    d.update(extra or {})
+    os.makedirs(path, exist_ok=True)
+    torch.save(d, os.path.join(path, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+
+
+def load_dump(path: str):
+    return [torch.load(f, weights_only=False) for f in sorted(glob.glob(os.path.join(path, "rank*.pt")),
+                                                              key=lambda f: int(f.split("rank")[-1][:-3]))]
+
+
+def _splits(dumps):
+    import reshard
+    from . import model as M
+    from .reshard_hook import model_config_dict
+    return None
+
+
+def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
+    """{"weight"|"fp32"|"exp_avg"|"exp_avg_sq": {canonical: full tensor}, "step": sorted set of
+    steps, "replica_diffs": {(kind, name): max |diff| between tp replicas or stage copies}}."""
+    import reshard
+    dumps = load_dump(path_or_dumps) if isinstance(path_or_dumps, str) else path_or_dumps
+    tp = dumps[0]["tp"]
+    splits = {t["name"]: t["split"] for t in reshard.model_tensors(reshard.model_config(model_dict), tp)}
+    # Per (kind, name, stage, tp_rank): the tp-local tensor (weights: as is; states: gathered over dp).
+    local = {}
+    for d in dumps:
+        if d["dp_rank"] == 0:
+            for name, w in d["weight"].items():
+                if name in d["dead"] and not include_dead:
+                    continue
+                local[("weight", name, d["stage"], d["tp_rank"])] = w.float().reshape(w.shape)
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        for d in dumps:
+            shapes = {n: w.shape for n, w in d["weight"].items()}
+            for g, grp in enumerate(d["groups"]):
+                part = d[kind][g]
+                if part is None:
+                    continue
+                P = grp["partition_size"]
+                lo_p = d["dp_rank"] * P
+                for name, off, n in grp["entries"]:
+                    if name in d["dead"] and not include_dead:
+                        continue
+                    key = (kind, name, d["stage"], d["tp_rank"])
+                    if key not in local:
+                        local[key] = torch.full((n, ), float("nan"))
+                    lo, hi = max(off, lo_p), min(off + n, lo_p + P)
+                    if lo < hi:
+                        local[key][lo - off:hi - off] = part[lo - lo_p:hi - lo_p].float()
+            for key in list(local):
+                if key[0] == kind and local[key].dim() == 1 and key[1] in shapes and \
+                        local[key].numel() == shapes[key[1]].numel() and key[2] == d["stage"] and key[3] == d["tp_rank"]:
+                    pass
+    # reshape states to the weight shapes
+    shapes = {}
+    for d in dumps:
+        for name, w in d["weight"].items():
+            shapes[(name, d["stage"], d["tp_rank"])] = w.shape
+    out = {k: {} for k in ("weight", "fp32", "exp_avg", "exp_avg_sq")}
+    diffs = {}
+    names = sorted({k[1] for k in local})
+    for kind in out:
+        for name in names:
+            stages = sorted({k[2] for k in local if k[0] == kind and k[1] == name})
+            if not stages:
+                continue
+            per_stage = []
+            for s in stages:
+                parts = []
+                for t in range(tp):
+                    x = local.get((kind, name, s, t))
+                    if x is None:
+                        parts = None
+                        break
+                    parts.append(x.reshape(shapes[(name, s, t)]))
+                if parts is None:
+                    continue
+                split = splits.get(name, "replicated")
+                if split in ("column", "vocab", "qkv"):
+                    full = torch.cat(parts, 0)
+                elif split == "row":
+                    full = torch.cat(parts, 1)
+                elif split == "swiglu":
+                    halves = [p.chunk(2, 0) for p in parts]
+                    full = torch.cat([torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)], 0)
+                else:
+                    full = parts[0]
+                    for t in range(1, tp):
+                        diff = float((parts[t] - parts[0]).abs().max()) if parts[0].numel() else 0.0
+                        diffs[(kind, name, f"tp{t}")] = max(diffs.get((kind, name, f"tp{t}"), 0.0), diff)
+                per_stage.append(full)
+            for i in range(1, len(per_stage)):
+                diffs[(kind, name, f"stage{stages[i]}")] = float((per_stage[i] - per_stage[0]).abs().max())
+            out[kind][name] = per_stage[0]
+    steps = sorted({s for d in dumps for s in d["step"] if s is not None})
+    return {**out, "step": steps, "replica_diffs": diffs,
+            "global_steps": sorted({d["global_steps"] for d in dumps}),
+            "global_samples": sorted({d["global_samples"] for d in dumps})}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--dump-dir", required=True)
+    p.add_argument("--dump-at", choices=["load", "save"], default="load")
+    ours, rest = p.parse_known_args(argv)
+    from . import train
+    if ours.dump_at == "load":
+        original = train.load_with
+
+        def load_and_dump(engine, args):
+            it, consumed = original(engine, args)
+            dump_engine(engine, ours.dump_dir, {"iteration": it, "consumed": consumed})
+            import torch.distributed as dist
+            dist.barrier()
+            dist.destroy_process_group()
+            sys.exit(0)
+
+        train.load_with = load_and_dump
+    else:
+        original_save = train.save_checkpoint
+
+        def save_and_dump(engine, cfg, args, iteration, consumed, uc_info, no_pipeline):
+            if args.save:
+                original_save(engine, cfg, args, iteration, consumed, uc_info, no_pipeline)
+            dump_engine(engine, os.path.join(ours.dump_dir, f"it{iteration}"), {"iteration": iteration})
+
+        train.save_checkpoint = save_and_dump
+    return train.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
