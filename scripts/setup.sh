@@ -37,8 +37,8 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
 fi
 # Pin torch so that nothing below can pull another build.
 echo "torch==2.13.0" > .venv/constraints.txt
-PIP_REQS=(numpy pytest matplotlib pybind11 ninja "cmake<5" pyyaml safetensors psutil tqdm)
-if ! "$VPY" -c "import numpy, pytest, matplotlib, pybind11, yaml, safetensors, psutil, tqdm" 2>/dev/null; then
+PIP_REQS=(numpy pytest matplotlib pybind11 ninja "cmake<5" pyyaml safetensors psutil tqdm nvidia-nccl-cu13)
+if ! "$VPY" -c "import numpy, pytest, matplotlib, pybind11, yaml, safetensors, psutil, tqdm, nvidia.nccl" 2>/dev/null; then
   echo "[setup] pip install ${PIP_REQS[*]}"
   "$VPY" -m pip install -q -c .venv/constraints.txt "${PIP_REQS[@]}"
 fi

@@ -21,12 +21,17 @@ run_suite() {  # name, command...
   NAMES+=("$name"); RESULTS+=("$rc")
 }
 
-run_suite "C++ unit (ctest)" ctest --test-dir build --output-on-failure -j2 --timeout 900
-if compgen -G "build/bin/*_test" >/dev/null && [[ -x tests/mpi/run.sh ]] && ls build/bin | grep -q '^comm_test$'; then
-  run_suite "MPI (mpirun -np 1..8)" bash tests/mpi/run.sh build
-fi
 if [[ -x tests/fixtures/make_deepspeed_fixtures.sh ]]; then
   run_suite "DeepSpeed fixtures" bash tests/fixtures/make_deepspeed_fixtures.sh
+fi
+run_suite "C++ unit (ctest)" ctest --test-dir build --output-on-failure -j2 --timeout 900
+# The GPU code (NCCL communicator, CUDA targets) must compile and link where the CUDA toolkit is,
+# even without a GPU; it runs on a GPU machine through benchmarks/gpu_check.sh.
+if [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  run_suite "CUDA/NCCL compile-only" .venv/bin/cmake --build build --target reshard_gpu
+fi
+if compgen -G "build/bin/*_test" >/dev/null && [[ -x tests/mpi/run.sh ]] && ls build/bin | grep -q '^comm_test$'; then
+  run_suite "MPI (mpirun -np 1..8)" bash tests/mpi/run.sh build
 fi
 PYTEST_ARGS=(-q -p no:cacheprovider tests/python)
 [[ "${RESHARD_TEST_QUICK:-0}" == 1 ]] && PYTEST_ARGS+=(-m "not slow")

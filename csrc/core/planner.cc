@@ -455,6 +455,11 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
         if (missing_files.size() > 8) msg += ", ...";
       }
     }
+    if (!source.missing_files.empty()) {
+      msg += "; missing file(s): ";
+      for (size_t i = 0; i < source.missing_files.size() && i < 16; ++i) msg += (i ? ", " : "") + source.missing_files[i];
+      if (source.missing_files.size() > 16) msg += ", ... (" + std::to_string(source.missing_files.size()) + " in all)";
+    }
     msg += "; uncovered: ";
     for (size_t i = 0; i < gaps.size(); ++i) msg += (i ? "; " : "") + gaps[i];
     if (n_gaps > gaps.size()) msg += "; ...";

@@ -24,6 +24,7 @@ struct SourceLayout {
   Layout layout;
   std::vector<std::string> files;          // paths (for messages and the executor's reads)
   std::vector<BufferLocation> locations;   // one per layout.buffers entry
+  std::vector<std::string> missing_files;  // files the checkpoint should have but lacks (for messages)
 };
 
 enum class ReplicaPolicy : uint8_t { kError, kAverage, kFirst };

@@ -1198,6 +1198,7 @@ void Builder::build() {
   r->source_.locations = std::move(locs);
   for (auto& m : missing) note("missing file: " + io::join(dir, m) + " (its ranks' data is not available)");
   for (auto& m : missing) r->missing_ += (r->missing_.empty() ? "" : ", ") + io::join(dir, m);
+  for (auto& m : missing) r->source_.missing_files.push_back(io::join(dir, m));
 }
 
 void Builder::non_tensor_state() {

@@ -147,6 +147,7 @@ class NativeReader final : public CheckpointReader {
       const std::string& path = src_.files[f];
       if (!io::is_file(path)) {
         missing_[f] = true;
+        src_.missing_files.push_back(path);
         std::string what;
         for (size_t k = 0; k < buffers_of_file[f].size() && k < 4; ++k)
           what += (k ? ", " : "") + src_.layout.buffers[buffers_of_file[f][k]].name;
