@@ -48,13 +48,6 @@ def load_dump(path: str):
                                                               key=lambda f: int(f.split("rank")[-1][:-3]))]
 
 
-def _splits(dumps):
-    import reshard
-    from . import model as M
-    from .reshard_hook import model_config_dict
-    return None
-
-
 def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
     """{"weight"|"fp32"|"exp_avg"|"exp_avg_sq": {canonical: full tensor}, "step": sorted set of
     steps, "replica_diffs": {(kind, name): max |diff| between tp replicas or stage copies}}."""
@@ -88,10 +81,6 @@ def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
                     lo, hi = max(off, lo_p), min(off + n, lo_p + P)
                     if lo < hi:
                         local[key][lo - off:hi - off] = part[lo - lo_p:hi - lo_p].float()
-            for key in list(local):
-                if key[0] == kind and local[key].dim() == 1 and key[1] in shapes and \
-                        local[key].numel() == shapes[key[1]].numel() and key[2] == d["stage"] and key[3] == d["tp_rank"]:
-                    pass
     # reshape states to the weight shapes
     shapes = {}
     for d in dumps:

@@ -33,7 +33,7 @@ from . import _C
 
 __all__ = [
     "Error", "InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal",
-    "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "derive_layout", "build_layout",
+    "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "model_tensors", "derive_layout", "build_layout",
     "open_checkpoint", "inspect", "plan", "load", "save", "communicator", "local_communicator",
     "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint",
 ]
@@ -77,6 +77,14 @@ def model_config(model: Union[str, Mapping, "ModelConfig"]) -> "ModelConfig":
         if _os.path.exists(preset):
             path = preset
     return _C.load_model_config(path)
+
+
+def model_tensors(model, tp: int) -> List[dict]:
+    """Every tensor of a model in the trainer's parameter order with its global shape at tensor
+    parallel size ``tp`` (vocab rows padded for that tp), split rule, reduction, owner, layer,
+    no_weight_decay and real_rows (vocab tensors). Raises InvalidArgument for a rule that matches
+    nothing."""
+    return _C.model_tensors(model_config(model), int(tp))
 
 
 def derive_layout(model, topology: str, *, weights_on_dp0_only: bool = False, optimizer: bool = True,
