@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -186,7 +187,10 @@ class Bench:
 
     # -- 1. checkpoints --------------------------------------------------------------------------
     def make_model(self):
-        self.model = size_model(self.a.size_gb * 1e9)
+        mult = 1
+        for lay in [self.a.source] + self.a.targets:
+            mult = math.lcm(mult, parse_layout(lay)["pp"] * parse_layout(lay)["vpp"])
+        self.model = size_model(self.a.size_gb * 1e9, mult)
         os.makedirs(self.data, exist_ok=True)
         self.model_yaml = os.path.join(self.data, "bench-gpt.yaml")
         with open(self.model_yaml, "w") as f:
@@ -443,16 +447,24 @@ class Bench:
         if not a.skip_dcp:
             S.append(("read ceilings (dcp)", lambda: self.ceilings("dcp", ["warm", "cold"])))
         for i, t in enumerate(a.targets):
-            S.append((f"reshard warm {short_layout(t)}", lambda t=t: self.reshard_load("native", self.native, t, "warm")))
-            S.append((f"reshard cold {short_layout(t)}", lambda t=t: self.reshard_load("native", self.native, t, "cold")))
-            S.append((f"reshard_nodedup warm {short_layout(t)}",
-                      lambda t=t: self.reshard_load("native", self.native, t, "warm", "reshard_nodedup", ["--no-dedup"])))
-            S.append((f"reshard_verify_off warm {short_layout(t)}",
-                      lambda t=t: self.reshard_load("native", self.native, t, "warm", "reshard_verify_off",
-                                                    ["--verify", "off"])))
+            S.append((f"reshard warm {short_layout(t)}", lambda t=t: self._guard(
+                f"reshard warm {short_layout(t)}", lambda: self.reshard_load("native", self.native, t, "warm"))))
+            S.append((f"reshard cold {short_layout(t)}", lambda t=t: self._guard(
+                f"reshard cold {short_layout(t)}", lambda: self.reshard_load("native", self.native, t, "cold"))))
+            if i == 0 or not a.quick:  # other settings: every target, or the first with --quick
+                S.append((f"reshard_nodedup warm {short_layout(t)}", lambda t=t: self._guard(
+                    f"reshard_nodedup warm {short_layout(t)}",
+                    lambda: self.reshard_load("native", self.native, t, "warm", "reshard_nodedup", ["--no-dedup"]))))
+                S.append((f"reshard_verify_off warm {short_layout(t)}", lambda t=t: self._guard(
+                    f"reshard_verify_off warm {short_layout(t)}",
+                    lambda: self.reshard_load("native", self.native, t, "warm", "reshard_verify_off",
+                                              ["--verify", "off"]))))
             if not a.skip_dcp:
-                S.append((f"dcp warm {short_layout(t)}", lambda t=t: self.dcp_load(t, "warm")))
-                S.append((f"dcp cold {short_layout(t)}", lambda t=t: self.dcp_load(t, "cold")))
+                S.append((f"dcp warm {short_layout(t)}",
+                          lambda t=t: self._guard(f"dcp warm {short_layout(t)}", lambda: self.dcp_load(t, "warm"))))
+                if i == 0 or not a.quick:
+                    S.append((f"dcp cold {short_layout(t)}",
+                              lambda t=t: self._guard(f"dcp cold {short_layout(t)}", lambda: self.dcp_load(t, "cold"))))
         if not a.skip_deepspeed:
             S.append(("read ceilings (deepspeed)", lambda: self._if_ds(lambda: self.ceilings("deepspeed", ["warm"]))))
             for t in a.targets:
@@ -624,7 +636,7 @@ def main(argv=None):
     ap.add_argument("--data", default=None, help="where checkpoints go (default OUT/data; removed unless --keep-data)")
     ap.add_argument("--source", default="tp=2,pp=1,dp=2,zero=1")
     ap.add_argument("--targets", default=None, help="';'-separated target layouts (world size <= 8)")
-    ap.add_argument("--ucp-targets", type=int, default=None, help="how many targets UCP loads (default all; quick 1)")
+    ap.add_argument("--ucp-targets", type=int, default=None, help="how many of the targets UCP loads (default 2: each rank runs a DeepSpeed engine; quick 1)")
     ap.add_argument("--repeat", type=int, default=None, help="timed warm repeats (median reported; default 3)")
     ap.add_argument("--cold-repeat", type=int, default=None)
     ap.add_argument("--peer-repeat", type=int, default=None, help="timed warm repeats of DCP (default 2; quick 1)")
@@ -643,7 +655,7 @@ def main(argv=None):
     if not q:
         default_targets += ["tp=1,pp=2,dp=2,zero=1", "tp=4,pp=1,dp=2,zero=1"]
     a.targets = [t.strip() for t in a.targets.split(";")] if a.targets else default_targets
-    a.ucp_targets = a.ucp_targets if a.ucp_targets is not None else (1 if q else len(a.targets))
+    a.ucp_targets = a.ucp_targets if a.ucp_targets is not None else (1 if q else 2)
     a.repeat = a.repeat or 3
     a.cold_repeat = a.cold_repeat or (1 if q else 2)
     a.peer_repeat = a.peer_repeat or (1 if q else 2)

@@ -73,8 +73,9 @@ class GPT:
         return json.dumps(dataclasses.asdict(self))
 
 
-def size_model(target_bytes: float) -> GPT:
-    """A GPT whose training state is close to target_bytes: hidden grows with size, layers fill."""
+def size_model(target_bytes: float, layer_multiple: int = 1) -> GPT:
+    """A GPT whose training state is close to target_bytes: hidden grows with size, layers fill
+    (a multiple of layer_multiple, so every pipeline size used divides them)."""
     if target_bytes < 0.6e9:
         hidden, vocab = 512, 8192
     elif target_bytes < 6e9:
@@ -84,7 +85,7 @@ def size_model(target_bytes: float) -> GPT:
     else:
         hidden, vocab = 4096, 50176
     best = None
-    for layers in range(1, 400):
+    for layers in range(layer_multiple, 400, layer_multiple):
         g = GPT(layers=layers, hidden=hidden, heads=hidden // 64, ffn=4 * hidden, vocab=vocab)
         if best is None or abs(g.state_bytes() - target_bytes) < abs(best.state_bytes() - target_bytes):
             best = g
