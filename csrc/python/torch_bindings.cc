@@ -6,8 +6,6 @@
 
 #include <pybind11/stl.h>
 
-#include <nlohmann/json.hpp>
-
 #include "python/torch_comm.h"
 #include "reshard/checkpoint.h"
 #include "reshard/config.h"
@@ -17,7 +15,6 @@
 #include "reshard/reshard.h"
 
 namespace py = pybind11;
-using nlohmann::json;
 
 namespace reshard::python {
 namespace {
@@ -64,18 +61,6 @@ void register_errors(py::module_& m) {
 
 ModelConfig model_from_yaml(const std::string& text, const std::string& origin) {
   return parse_model_config(text, origin);
-}
-
-json state_to_json(const NonTensorState& s) {
-  json j;
-  j["iteration"] = s.iteration;
-  j["consumed_samples"] = s.consumed_samples;
-  j["step"] = s.step;
-  j["json"] = s.json;
-  json pr = json::object();
-  for (const auto& [r, blob] : s.per_rank) pr[std::to_string(r)] = blob;
-  j["per_rank"] = pr;
-  return j;
 }
 
 py::dict state_to_py(const NonTensorState& s) {
@@ -438,6 +423,24 @@ PYBIND11_MODULE(_C, m) {
         save_native(root, step, layout, cptrs, s, *comm);
       },
       py::arg("root"), py::arg("step"), py::arg("layout"), py::arg("tensors"), py::arg("state"), py::arg("comm"));
+
+  m.def(
+      "save_all_ranks",
+      [](const std::string& root, const std::string& step, const Layout& layout,
+         const std::vector<std::optional<at::Tensor>>& tensors, const py::dict& state) {
+        // Every buffer of every rank is given: check them all as if each rank were this one.
+        std::vector<void*> ptrs(layout.buffers.size(), nullptr);
+        for (int r = 0; r < layout.topo.world_size(); ++r) {
+          std::vector<void*> pr = buffer_pointers(layout, r, tensors, "reshard.save_all_ranks");
+          for (size_t i = 0; i < pr.size(); ++i)
+            if (layout.buffers[i].rank == r) ptrs[i] = pr[i];
+        }
+        std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
+        NonTensorState s = state_from_py(state);
+        py::gil_scoped_release nogil;
+        save_native_all_ranks(root, step, layout, cptrs, s);
+      },
+      py::arg("root"), py::arg("step"), py::arg("layout"), py::arg("tensors"), py::arg("state"));
 
   m.def(
       "synth_checkpoint",

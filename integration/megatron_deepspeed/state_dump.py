@@ -128,32 +128,97 @@ def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
             "global_samples": sorted({d["global_samples"] for d in dumps})}
 
 
+def scramble(engine):
+    """Overwrites every tensor a load must fill (module weights, fp32 partitions, moments, step)
+    with NaN/-1, so a dump after a load proves that the load wrote every element."""
+    from .reshard_hook import LiveState
+    live = LiveState(engine, engine.module.gpt_config)
+    with torch.no_grad():
+        for p in live.params.values():
+            p.data.fill_(float("nan"))
+        for part in live.zopt.single_partition_of_fp32_groups:
+            part.data.fill_(float("nan"))
+            st = live.torch_opt.state.get(part, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    st[k].fill_(float("nan"))
+            if "step" in st:
+                st["step"] = torch.tensor(-1.0)
+
+
+def eval_logits(engine, args):
+    """Loss and this rank's (vocab-parallel) logits on a fixed batch: samples [8000, 8000+mb) of the
+    corpus order, the same under every layout. Logits only on the last stage (else None)."""
+    from . import train
+    cfg = engine.module.gpt_config
+    data = train.FortuneData(cfg.seq_length, args.seed)
+    toks, labs = zip(*(data.sample(8000 + j) for j in range(args.micro_batch)))
+    batch = (torch.stack(toks), torch.stack(labs))
+    loss, logits = engine.eval_batch(iter([batch]), return_logits=True, num_micro_batches=1)
+    return float(loss), (logits.detach().clone() if torch.is_tensor(logits) else None)
+
+
+def gather_logits(path_or_dumps):
+    """Full logits [mb, seq, Vp] of the last stage (dp rank 0), concatenated over tp."""
+    dumps = load_dump(path_or_dumps) if isinstance(path_or_dumps, str) else path_or_dumps
+    last = [d for d in dumps if d["stage"] == d["pp"] - 1 and d["dp_rank"] == 0]
+    last.sort(key=lambda d: d["tp_rank"])
+    return torch.cat([d["logits"].float() for d in last], dim=-1)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--dump-dir", required=True)
-    p.add_argument("--dump-at", choices=["load", "save"], default="load")
+    p.add_argument("--scramble", action="store_true", help="scramble the live state before loading")
+    p.add_argument("--eval", action="store_true", help="also record loss and logits on a fixed batch after the load")
+    p.add_argument("--deepspeed-load", default=None,
+                   help="after the dump, scramble and load this DeepSpeed folder with engine.load_checkpoint; dump "
+                        "again to DUMP_DIR/deepspeed")
+    p.add_argument("--deepspeed-tag", default=None, help="tag (step folder) for --deepspeed-load (default: latest)")
+    p.add_argument("--exit-after-load", action="store_true")
+    p.add_argument("--dump-at-save", action="store_true", help="dump at each save point to DUMP_DIR/it<N>")
     ours, rest = p.parse_known_args(argv)
-    from . import train
-    if ours.dump_at == "load":
-        original = train.load_with
+    from . import train, train_reshard
+    import torch.distributed as dist
+    native, rest = train_reshard.parse(rest)
+    if native.save_native:
+        train_reshard.install(native.save_native, not native.no_deepspeed_save)
+    original = train.load_with
 
-        def load_and_dump(engine, args):
-            it, consumed = original(engine, args)
-            dump_engine(engine, ours.dump_dir, {"iteration": it, "consumed": consumed})
-            import torch.distributed as dist
+    def load_and_dump(engine, args):
+        if ours.scramble:
+            scramble(engine)
+        it, consumed = original(engine, args)
+        extra = {"iteration": it, "consumed": consumed}
+        if ours.eval:
+            extra["eval_loss"], extra["logits"] = eval_logits(engine, args)
+        dump_engine(engine, os.path.join(ours.dump_dir, "load"), extra)
+        if ours.deepspeed_load:
+            scramble(engine)
+            path, cs = engine.load_checkpoint(ours.deepspeed_load, tag=ours.deepspeed_tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+            assert path is not None, ours.deepspeed_load
+            extra = {"iteration": int(cs["iteration"]), "consumed": int(cs["args"].consumed_train_samples)}
+            if ours.eval:
+                extra["eval_loss"], extra["logits"] = eval_logits(engine, args)
+            dump_engine(engine, os.path.join(ours.dump_dir, "deepspeed"), extra)
+        if ours.exit_after_load:
             dist.barrier()
             dist.destroy_process_group()
             sys.exit(0)
+        return it, consumed
 
-        train.load_with = load_and_dump
-    else:
+    train.load_with = load_and_dump
+    if ours.dump_at_save:
         original_save = train.save_checkpoint
 
         def save_and_dump(engine, cfg, args, iteration, consumed, uc_info, no_pipeline):
-            if args.save:
-                original_save(engine, cfg, args, iteration, consumed, uc_info, no_pipeline)
-            dump_engine(engine, os.path.join(ours.dump_dir, f"it{iteration}"), {"iteration": iteration})
+            original_save(engine, cfg, args, iteration, consumed, uc_info, no_pipeline)
+            extra = {"iteration": iteration}
+            if ours.eval:
+                extra["eval_loss"], extra["logits"] = eval_logits(engine, args)
+            dump_engine(engine, os.path.join(ours.dump_dir, f"it{iteration}"), extra)
 
         train.save_checkpoint = save_and_dump
     return train.main(rest)

@@ -17,23 +17,34 @@ import sys
 from . import train
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--save-native", required=True)
-    p.add_argument("--no-deepspeed-save", action="store_true")
-    ours, rest = p.parse_known_args(argv)
-    deepspeed_save = train.save_checkpoint
+def install(save_native: str, deepspeed_save: bool = True):
+    """Makes train.save_checkpoint also write the native format under `save_native`."""
+    original = train.save_checkpoint
 
     def save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, no_pipeline):
         import torch.distributed as dist
         from .reshard_hook import reshard_save
-        if not ours.no_deepspeed_save:
-            deepspeed_save(engine, cfg, args, iteration, consumed, uc_info, no_pipeline)
-        reshard_save(engine, args, ours.save_native, f"step-{iteration}", iteration, consumed)
+        if deepspeed_save:
+            original(engine, cfg, args, iteration, consumed, uc_info, no_pipeline)
+        reshard_save(engine, args, save_native, f"step-{iteration}", iteration, consumed)
         dist.barrier()
 
     train.save_checkpoint = save_checkpoint
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--save-native", default=None)
+    p.add_argument("--no-deepspeed-save", action="store_true")
+    return p.parse_known_args(argv)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = parse(argv)
+    if not ours.save_native:
+        raise SystemExit("train_reshard: --save-native DIR is required")
+    install(ours.save_native, not ours.no_deepspeed_save)
     return train.main(rest)
 
 

@@ -34,7 +34,7 @@ from . import _C
 __all__ = [
     "Error", "InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal",
     "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "model_tensors", "derive_layout", "build_layout",
-    "open_checkpoint", "inspect", "plan", "load", "save", "communicator", "local_communicator",
+    "open_checkpoint", "inspect", "plan", "load", "save", "save_all_ranks", "communicator", "local_communicator",
     "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint",
 ]
 
@@ -282,6 +282,19 @@ def save(root: str, step: str, layout: "Layout", tensors, *, state: Optional[Map
     if "per_rank" in st:
         st["per_rank"] = {int(k): bytes(v) for k, v in st["per_rank"].items()}
     _C.save(str(root), str(step), layout, _tensor_list(layout, comm.rank, tensors), st, comm)
+
+
+def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[torch.Tensor], *,
+                   state: Optional[Mapping] = None) -> None:
+    """Like :func:`save` from one process that holds every rank's buffers (conversion tools,
+    tests): ``tensors`` is indexed like ``layout.buffers`` and every entry must be given. Rank
+    files are written one after another; no communicator is needed. Errors as :func:`save`."""
+    st = dict(state or {})
+    if "json" in st and not isinstance(st["json"], str):
+        st["json"] = _json.dumps(st["json"])
+    if "per_rank" in st:
+        st["per_rank"] = {int(k): bytes(v) for k, v in st["per_rank"].items()}
+    _C.save_all_ranks(str(root), str(step), layout, list(tensors), st)
 
 
 def load_resume_config(path: str) -> dict:

@@ -1,0 +1,227 @@
+"""reshard's Python API in one process (fast): errors, inspect, plan, load, save, strictness,
+replica policies (failures.md B10), resume configs, and the torch.distributed communicator under
+gloo (a small mpirun job)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "python"))
+reshard = pytest.importorskip("reshard", reason="build the extension first (scripts/setup.sh)")
+
+_DT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+TINY = {"name": "tiny-f32", "num_layers": 2, "hidden": 16, "ffn": 32, "heads": 4, "query_groups": 2, "vocab": 60,
+        "vocab_divisible_by": 8, "max_position_embeddings": 8, "swiglu": True, "tied_embeddings": True, "bias": True,
+        "norm": "layernorm", "param_dtype": "f32", "qkv_version": 3.0}
+
+
+def zeros_for(layout, rank=0, fill=None):
+    g = torch.Generator().manual_seed(1 + rank)
+    out = {}
+    for b in layout.buffers:
+        if b["rank"] == rank:
+            t = torch.empty(b["numel"], dtype=_DT[b["dtype"]])
+            if fill is None:
+                t.copy_(torch.randn(b["numel"], generator=g))
+            else:
+                t.fill_(fill)
+            out[b["name"]] = t
+    return out
+
+
+def test_error_classes():
+    for name in ("InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal"):
+        cls = getattr(reshard, name)
+        assert issubclass(cls, reshard.Error)
+        assert cls.code == name
+    with pytest.raises(reshard.NotFound, match="/no/such/ckpt"):
+        reshard.inspect("/no/such/ckpt")
+    with pytest.raises(reshard.InvalidArgument, match="bogus"):
+        reshard.parse_topology("tp=2,bogus=3")
+    with pytest.raises(reshard.InvalidArgument, match="unknown field"):
+        reshard.model_config({**TINY, "hiden": 3})
+
+
+def test_inspect_plan_load_roundtrip(tmp_path):
+    m = reshard.model_config(TINY)
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=2,dp=2,zero=1", 5)
+    info = reshard.inspect(str(tmp_path))
+    assert info["writer"] == "native" and info["topology"]["tp"] == 2 and info["topology"]["world_size"] == 8
+    assert info["state"]["step"] >= 1 and len(info["state"]["per_rank"]) == 8
+    names = {t["name"] for t in info["tensors"]}
+    assert "layers.1.mlp.dense_h_to_4h.weight" in names and "lm_head.weight" not in names
+    p = reshard.plan(str(tmp_path), "tp=1,pp=1,dp=1,zero=1")
+    assert p["target_world_size"] == 1 and p["bytes_to_read"] == p["bytes_needed"] > 0
+    assert p["change"].startswith("tp 2->1")
+    # Load into tp=1 (one process), save again, load into tp=1 again: bitwise the same.
+    L1 = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
+    a = zeros_for(L1, fill=float("nan"))
+    rep = reshard.load(str(tmp_path), L1, a)
+    assert all(not torch.isnan(t).any() for t in a.values())
+    assert rep["step"] == info["state"]["step"] and rep["not_carried"]  # per-rank state dropped, and said so
+    assert rep["target_bytes"] == L1.total_bytes and rep["gbps"] > 0
+    L1s = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1", weights_on_dp0_only=True)
+    reshard.save(str(tmp_path / "again"), "step-1", L1s, a, state={"iteration": 3, "consumed_samples": 24, "step": 3})
+    b = zeros_for(L1)
+    rep2 = reshard.load(str(tmp_path / "again"), L1, b)
+    assert rep2["change"] == "no change" and rep2["iteration"] == 3
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_strict_missing_raises_before_any_write(tmp_path):
+    """The checkpoint (tied) lacks lm_head.weight that the target model (untied) has."""
+    reshard.synth_checkpoint(str(tmp_path), reshard.model_config(TINY), "tp=2,pp=1,dp=1,zero=1", 9)
+    untied = reshard.model_config({**TINY, "tied_embeddings": False})
+    L = reshard.derive_layout(untied, "tp=1,pp=1,dp=1,zero=1")
+    live = zeros_for(L)
+    snap = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(reshard.InvalidArgument, match="lm_head.weight"):
+        reshard.load(str(tmp_path), L, live)
+    for k in live:
+        assert torch.equal(live[k], snap[k]), f"{k} changed although the load failed"
+    # Not strict: loads everything else and leaves lm_head alone.
+    reshard.load(str(tmp_path), L, live, policies={"strict_missing": False})
+    assert torch.equal(live["weight/lm_head.weight"], snap["weight/lm_head.weight"])
+    assert not torch.equal(live["weight/final_layernorm.weight"], snap["weight/final_layernorm.weight"])
+
+
+def _divergent_checkpoint(tmp_path, delta=0.5):
+    """A tp=2 checkpoint, written with valid checksums, whose tp rank 1 copy of one LayerNorm
+    weight differs from tp rank 0's in one element (failures.md B10)."""
+    from safetensors.torch import load_file
+    m = reshard.model_config(TINY)
+    src = tmp_path / "synth"
+    reshard.synth_checkpoint(str(src), m, "tp=2,pp=1,dp=1,zero=1", 11)
+    step_dir = reshard.inspect(str(src))["path"]
+    L = reshard.derive_layout(m, "tp=2,pp=1,dp=1,zero=1", weights_on_dp0_only=True)
+    files = {r: load_file(os.path.join(step_dir, f"rank_{r:05d}.safetensors")) for r in range(2)}
+    tensors = [files[b["rank"]][b["name"]].clone() for b in L.buffers]
+    name = "weight/layers.1.input_layernorm.weight"
+    i1 = [i for i, b in enumerate(L.buffers) if b["rank"] == 1 and b["name"] == name][0]
+    original = tensors[i1][3].item()
+    tensors[i1][3] += delta
+    reshard.save_all_ranks(str(tmp_path / "div"), "step-1", L, tensors, state={"iteration": 1, "step": 1,
+                                                                              "consumed_samples": 8})
+    return str(tmp_path / "div"), original
+
+
+def test_replica_divergence_policies(tmp_path):
+    root, original = _divergent_checkpoint(tmp_path)
+    L = reshard.derive_layout(reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1")
+    live = zeros_for(L)
+    snap = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(reshard.DataLoss, match=r"layers\.1\.input_layernorm\.weight.*max \|diff\| 0\.5"):
+        reshard.load(root, L, live, policies={"replicas": "error"})
+    for k in live:
+        assert torch.equal(live[k], snap[k])
+    # Within tolerance: loads.
+    reshard.load(root, L, live, policies={"replicas": "error", "replica_atol": 0.6})
+    rep = reshard.load(root, L, live, policies={"replicas": "first"})
+    assert live["weight/layers.1.input_layernorm.weight"][3].item() == original  # tp rank 0's copy
+    assert any("layers.1.input_layernorm.weight" in s for s in rep["replica_report"])
+    with pytest.raises(reshard.Unsupported, match="average"):
+        reshard.load(root, L, live, policies={"replicas": "average"})
+
+
+def test_bad_tensors_are_invalid_argument(tmp_path):
+    reshard.synth_checkpoint(str(tmp_path), reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1", 1)
+    L = reshard.derive_layout(reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1")
+    live = zeros_for(L)
+    k = next(iter(live))
+    live[k] = live[k][:-1].clone()
+    with pytest.raises(reshard.InvalidArgument, match="elements"):
+        reshard.load(str(tmp_path), L, live)
+    with pytest.raises(reshard.InvalidArgument, match="policy"):
+        reshard.load(str(tmp_path), L, zeros_for(L), policies={"replica": "first"})
+    with pytest.raises(reshard.NotFound, match="step"):
+        reshard.load(str(tmp_path), L, zeros_for(L), step=99)
+
+
+def test_resume_configs():
+    d = os.path.join(REPO, "configs", "resume")
+    files = sorted(f for f in os.listdir(d) if f.endswith(".yaml"))
+    assert files
+    for f in files:
+        rc = reshard.load_resume_config(os.path.join(d, f))
+        assert rc["checkpoint"] and rc["target_topology"]["tp"] >= 1
+        assert rc["policies"]["replicas"] in ("error", "first")
+    rc = reshard.load_resume_config(os.path.join(d, "demo_tp1_pp2_dp4.yaml"))
+    assert (rc["target_topology"]["tp"], rc["target_topology"]["pp"], rc["target_topology"]["dp"]) == (1, 2, 4)
+    assert rc["step"] == "24" and rc["policies"]["memory_budget_bytes"] == 2**30
+
+
+COMM_CHECK = r'''
+import os, sys, torch, torch.distributed as dist
+r = int(os.environ["OMPI_COMM_WORLD_RANK"]); w = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+dist.init_process_group("gloo", rank=r, world_size=w)
+import reshard
+c = reshard.communicator()
+assert (c.rank, c.size, c.name) == (r, w, "torch:gloo")
+assert c.all_reduce_sum(r + 1) == w * (w + 1) // 2 and c.all_reduce_max(r) == w - 1
+assert c.all_gather_strings(b"x" * r) == [b"x" * p for p in range(w)]
+# all_to_all_v: rank r sends r+1 bytes of value r to every rank, packed in reverse rank order;
+# rank 0 sends nothing to itself (a zero count is still collective).
+sc = [0 if (r == 0 and p == 0) else r + 1 for p in range(w)]
+sd = [sum(sc[q] for q in range(p + 1, w)) for p in range(w)]
+send = torch.full((sum(sc),), r, dtype=torch.uint8)
+rc = [0 if (r == 0 and p == 0) else p + 1 for p in range(w)]
+rd = [sum(rc[:p]) for p in range(w)]
+recv = torch.zeros(sum(rc), dtype=torch.uint8)
+reshard._C._comm_all_to_all_v(c, send, sc, sd, recv, rc, rd)
+exp = torch.cat([torch.full((rc[p],), p, dtype=torch.uint8) for p in range(w)])
+assert torch.equal(recv, exp), (recv, exp)
+# A count mismatch is an error naming both ranks, not a hang.
+try:
+    bad = [1] * w
+    reshard._C._comm_all_to_all_v(c, torch.zeros(w, dtype=torch.uint8), bad, list(range(w)),
+                                  torch.zeros(2 * w, dtype=torch.uint8), [2] * w, [2 * p for p in range(w)])
+    raise SystemExit("no error on mismatched counts")
+except reshard.Internal as e:
+    assert "count mismatch" in str(e) and f"[rank {r}/{w}]" in str(e), str(e)
+# Broadcast inside a subgroup (only members call) and over everyone.
+t = torch.full((5,), r, dtype=torch.uint8)
+if r in (1, 3):
+    reshard._C._comm_broadcast(c, t, 3, [1, 3])
+    assert t.tolist() == [3] * 5
+t = torch.full((4,), r, dtype=torch.uint8)
+reshard._C._comm_broadcast(c, t, 2, list(range(w)))
+assert t.tolist() == [2] * 4
+c.barrier()
+# A distributed load over gloo: tp=2,pp=2,dp=1 synth checkpoint into tp=1,pp=2,dp=2.
+m = reshard.model_config(dict(name="t", num_layers=2, hidden=16, ffn=32, heads=4, query_groups=2, vocab=60,
+                              vocab_divisible_by=8, swiglu=True, tied_embeddings=True, param_dtype="f32"))
+L = reshard.derive_layout(m, "tp=1,pp=2,dp=2,zero=1")
+ts = {b["name"]: torch.full((b["numel"],), float("nan")) for b in L.buffers if b["rank"] == r}
+rep = reshard.load(sys.argv[1], L, ts)
+assert all(not torch.isnan(t).any() for t in ts.values())
+assert rep["bytes_exchanged"] > 0
+print("OK", r, flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found")
+def test_torch_communicator_gloo(tmp_path):
+    m = reshard.model_config(dict(name="t", num_layers=2, hidden=16, ffn=32, heads=4, query_groups=2, vocab=60,
+                                  vocab_divisible_by=8, swiglu=True, tied_embeddings=True, param_dtype="f32"))
+    reshard.synth_checkpoint(str(tmp_path / "ck"), m, "tp=2,pp=2,dp=1,zero=1", 3)
+    script = tmp_path / "comm_check.py"
+    script.write_text(COMM_CHECK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.path.join(REPO, "python"))
+    r = subprocess.run(["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "4",
+                        sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0 and r.stdout.count("OK") == 4, r.stdout[-2000:] + r.stderr[-4000:]
