@@ -1,5 +1,6 @@
 // torch.save archives written by the venv's torch (tests/fixtures/make_torch_fixtures.py, run at
 // test time) compared against the script's expected.json sidecar, plus corruption of those files.
+#include <cstdio>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -28,7 +29,10 @@ bool exists(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0;
 }
 
-// Runs the fixture script once per process. Sets *why and returns "" when it cannot.
+// Runs the fixture script once per machine and script version: ctest runs every test in its own
+// process, and each run imports torch, so the files are cached in $TMPDIR under a name that
+// carries a hash of the script (made in a temporary folder and renamed into place, so parallel
+// test processes never see half a set). Sets *why and returns "" when it cannot.
 std::string fixtures(std::string* why) {
   static std::string dir, reason;
   static bool done = false;
@@ -36,18 +40,29 @@ std::string fixtures(std::string* why) {
     done = true;
     std::string py = testing::source_path(".venv/bin/python");
     std::string script = testing::source_path("tests/fixtures/make_torch_fixtures.py");
-    if (!exists(py)) {
+    std::ifstream sf(script, std::ios::binary);
+    std::stringstream body;
+    body << sf.rdbuf();
+    uint64_t h = 1469598103934665603ull;
+    for (char c : body.str()) h = (h ^ uint8_t(c)) * 1099511628211ull;
+    const char* tmp = std::getenv("TMPDIR");
+    std::string cache = std::string(tmp ? tmp : "/tmp") + "/reshard_torch_fixtures_" + std::to_string(h);
+    if (exists(cache + "/expected.json")) {
+      dir = cache;
+    } else if (!exists(py)) {
       reason = "no venv python at " + py + " (run scripts/setup to create .venv with torch)";
     } else if (std::system(("'" + py + "' -c 'import torch, numpy' >/dev/null 2>&1").c_str()) != 0) {
       reason = py + " cannot import torch and numpy";
     } else {
-      std::string out = testing::make_temp_dir("reshard_torch_fixtures_");
+      std::string out = testing::make_temp_dir("reshard_torch_fixtures_tmp_");
       std::string cmd = "'" + py + "' '" + script + "' '" + out + "' > '" + out + "/log.txt' 2>&1";
       if (std::system(cmd.c_str()) != 0) {
         std::ifstream log(out + "/log.txt");
         std::stringstream ss;
         ss << log.rdbuf();
         reason = "fixture script failed: " + ss.str();
+      } else if (::rename(out.c_str(), cache.c_str()) == 0 || exists(cache + "/expected.json")) {
+        dir = exists(cache + "/expected.json") ? cache : out;
       } else {
         dir = out;
       }
