@@ -18,7 +18,9 @@ NINJA=${NINJA:-$( [[ -x .venv/bin/ninja ]] && echo "$ROOT/.venv/bin/ninja" || co
 CTEST=${CTEST:-$(dirname "$CMAKE")/ctest}
 [[ -x $CTEST ]] || CTEST=ctest
 
-"$CMAKE" -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_MAKE_PROGRAM="$NINJA" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+GEN=(-G Ninja -DCMAKE_MAKE_PROGRAM="$NINJA")
+[[ -n $NINJA ]] || GEN=(-G "Unix Makefiles")
+"$CMAKE" -S . -B "$BUILD_DIR" "${GEN[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DRESHARD_CORE_ONLY=ON -DRESHARD_SANITIZE=ON -DRESHARD_BUILD_TESTS=ON -DRESHARD_FUZZ=OFF >/dev/null
 "$CMAKE" --build "$BUILD_DIR" -j"$JOBS"
 # halt_on_error + abort: a report fails the test; detect_leaks: LeakSanitizer on exit.
