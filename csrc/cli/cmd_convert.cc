@@ -249,9 +249,23 @@ Command convert_command() {
         for (const auto& n : plan.notes) std::printf("  note: %s\n", n.c_str());
         std::printf("wrote %s/%s (one process) in %.3f s\n", a->out.c_str(), step.c_str(), since(t0));
       }
-    } catch (const Error&) {
-      // Every rank raises the same error (inputs and checks are shared); print it once.
-      if (comm && rank != 0) return 2;
+    } catch (const Error& e) {
+      if (comm) {
+#ifdef RESHARD_HAVE_MPI
+        // A communication failure or a failure after writes began may be on some ranks only:
+        // end the whole job so that no peer stays blocked in a collective.
+        if (e.code() == ErrorCode::kFailedPrecondition || e.code() == ErrorCode::kInternal)
+          abort_world(2, "reshard: error: [rank " + std::to_string(rank) + "] " + e.what());
+#endif
+        // Input errors (open, plan, checksums, pre-flight) are raised on every rank alike:
+        // print them once.
+        if (rank != 0) return 2;
+      }
+      throw;
+    } catch (const std::exception& e) {
+#ifdef RESHARD_HAVE_MPI
+      if (comm) abort_world(2, "reshard: error: [rank " + std::to_string(rank) + "] " + e.what());
+#endif
       throw;
     }
     return 0;

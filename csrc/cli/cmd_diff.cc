@@ -1,11 +1,7 @@
 // reshard diff: compares the consolidated values of two checkpoints whatever their layouts, or a
 // checkpoint with a single-file safetensors state dict (tensor names = canonical names).
-//
-// Consolidation lives here too (inspect --stats uses it through consolidate_state()): the
-// checkpoint's own model is planned to a tp=1,pp=1,dp=1,zero=0 layout holding one state kind and
-// executed in memory with simulate_plan, so the full tensors of one state kind are held at once.
-// The target keeps every stored vocab row (its vocab_divisible_by is set to the source's padded
-// vocab), so padding rows can be compared where both sides have them.
+// Consolidation is reshard::consolidate (consolidate.h): tp=1,pp=1,dp=1,zero=0 in memory, every
+// stored vocab row kept, so padding rows are compared where both sides have them.
 #include <sys/stat.h>
 
 #include <cmath>
@@ -19,111 +15,13 @@
 #include "formats/safetensors/safetensors.h"
 #include "io/file.h"
 #include "reshard/checkpoint.h"
+#include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/layout.h"
 #include "reshard/plan.h"
 #include "reshard/simulate.h"
 
 namespace reshard::cli {
-
-/// One consolidated tensor of one state kind (canonical name, global shape at tp=1 with every
-/// stored vocab row, row-major data of `dtype`).
-struct ConsolidatedTensor {
-  std::string tensor;
-  StateKind state = StateKind::kWeight;
-  std::vector<int64_t> shape;
-  int64_t real_rows = -1;  // vocab tensors: rows >= real_rows are padding
-  DType dtype = DType::F32;
-  const void* data = nullptr;
-  int64_t numel = 0;
-};
-
-/// True when the checkpoint holds (or can derive) state kind `s`: weights come from the fp32
-/// master when the files hold no 16-bit copy (ZeRO-3).
-bool has_state(const CheckpointReader& ckpt, StateKind s) {
-  for (const auto& a : ckpt.source().layout.arrays)
-    if (a.state == s || (s == StateKind::kWeight && a.state == StateKind::kMaster)) return true;
-  return false;
-}
-
-/// Consolidates state kind `s` of the whole checkpoint in memory and calls `fn` once per tensor,
-/// in the model's parameter order. Throws the planner's errors (coverage: kDataLoss naming the
-/// missing buffers and uncovered ranges) and the reader's (kDataLoss naming file and range).
-void consolidate_state(const CheckpointReader& ckpt, StateKind s,
-                       const std::function<void(const ConsolidatedTensor&)>& fn) {
-  const SourceLayout& src = ckpt.source();
-  ModelConfig m = src.layout.model;
-  int64_t vp = -1;
-  for (const auto& a : src.layout.arrays)
-    if (a.real_rows >= 0 && a.ndim > 0) vp = std::max(vp, a.shape[0]);
-  if (vp > 0 && m.padded_vocab(1) != vp) m.vocab_divisible_by = int(vp);
-  Topology t;  // tp=1, pp=1, vpp=1, dp=1, zero=0
-  DeriveOptions o;
-  o.weights_on_dp0_only = true;
-  o.optimizer = s != StateKind::kWeight;
-  Layout full = derive_layout(m, t, o);
-
-  // Keep only the arrays and buffers of state kind s.
-  Layout L;
-  L.topo = full.topo;
-  L.model = full.model;
-  L.tensors = full.tensors;
-  std::vector<int32_t> amap(full.arrays.size(), -1), bmap(full.buffers.size(), -1);
-  for (size_t i = 0; i < full.arrays.size(); ++i)
-    if (full.arrays[i].state == s) {
-      amap[i] = int32_t(L.arrays.size());
-      L.arrays.push_back(full.arrays[i]);
-    }
-  for (size_t i = 0; i < full.buffers.size(); ++i)
-    if (full.buffers[i].state == s) {
-      bmap[i] = int32_t(L.buffers.size());
-      L.buffers.push_back(full.buffers[i]);
-    }
-  std::vector<int32_t> buffer_of_array(L.arrays.size(), -1);
-  for (const Piece& p : full.pieces) {
-    if (amap[p.array] < 0 || bmap[p.buffer] < 0) continue;
-    Piece q = p;
-    q.array = amap[p.array];
-    q.buffer = bmap[p.buffer];
-    RESHARD_CHECK(buffer_of_array[q.array] < 0 || buffer_of_array[q.array] == q.buffer,
-                  "consolidation: array ", L.arrays[q.array].key(), " spans several buffers");
-    buffer_of_array[q.array] = q.buffer;
-    L.pieces.push_back(q);
-  }
-
-  PlanOptions po;
-  po.strict_unexpected = false;  // the source's other state kinds are not wanted here
-  Plan plan = make_plan(src, L, po);
-  std::vector<std::vector<char>> storage(L.buffers.size());
-  std::vector<void*> ptrs(L.buffers.size());
-  for (size_t b = 0; b < L.buffers.size(); ++b) {
-    storage[b].assign(size_t(L.buffers[b].numel) * dtype_size(L.buffers[b].dtype), 0);
-    ptrs[b] = storage[b].data();
-  }
-  simulate_plan(plan, L, [&](int32_t f, uint64_t off, uint64_t len, void* dst) { ckpt.read(f, off, len, dst); }, ptrs);
-
-  std::map<std::string, const TensorSpec*> spec_of;
-  for (const auto& t2 : L.tensors) spec_of[t2.name] = &t2;
-  for (size_t a = 0; a < L.arrays.size(); ++a) {
-    const LogicalArray& la = L.arrays[a];
-    if (buffer_of_array[a] < 0) continue;
-    const Buffer& b = L.buffers[buffer_of_array[a]];
-    ConsolidatedTensor ct;
-    ct.tensor = la.tensor;
-    ct.state = s;
-    const TensorSpec* spec = spec_of.count(la.tensor) ? spec_of[la.tensor] : nullptr;
-    if (spec) ct.shape = spec->shape;
-    int64_t n = 1;
-    for (auto d : ct.shape) n *= d;
-    RESHARD_CHECK(spec && n == b.numel, "consolidation: tensor ", la.tensor, " has ", b.numel,
-                  " elements in its buffer");
-    ct.real_rows = la.real_rows;
-    ct.dtype = b.dtype;
-    ct.data = storage[buffer_of_array[a]].data();
-    ct.numel = b.numel;
-    fn(ct);
-  }
-}
 
 namespace {
 
@@ -262,14 +160,16 @@ Compared compare(const std::string& name, const std::string& state, const Held& 
   return c;
 }
 
-Held hold(const ConsolidatedTensor& t) {
+// Values are exact in float (16-bit weights widened), so float bytes compare bitwise like the stored ones.
+Held hold(ConsolidatedTensor&& t) {
   Held h;
-  h.shape = t.shape;
+  h.shape = std::move(t.shape);
   h.real_rows = t.real_rows;
-  h.dtype = t.dtype;
-  h.numel = t.numel;
-  const char* p = static_cast<const char*>(t.data);
-  h.data.assign(p, p + size_t(t.numel) * dtype_size(t.dtype));
+  h.dtype = DType::F32;
+  h.numel = int64_t(t.values.size());
+  const char* p = reinterpret_cast<const char*>(t.values.data());
+  h.data.assign(p, p + t.values.size() * sizeof(float));
+  std::vector<float>().swap(t.values);
   return h;
 }
 
@@ -328,28 +228,47 @@ Command diff_command() {
       states = {state_kind_from_name(st)};
     }
 
+    // Each checkpoint side consolidated once (every state kind asked for, in memory, as float).
+    ConsolidateOptions co;
+    co.optimizer = false;
+    for (StateKind s : states) co.optimizer |= s != StateKind::kWeight;
+    std::unique_ptr<Consolidated> xa, xb;
+    if (ca) xa = std::make_unique<Consolidated>(consolidate(*ca, co));
+    if (cb) xb = std::make_unique<Consolidated>(consolidate(*cb, co));
+    // Tensors of one state of one side, held, in the model's parameter order.
+    auto side = [](const CheckpointReader* ck, Consolidated* x, SafetensorsFile* f, StateKind s,
+                   std::vector<std::pair<std::string, Held>>* out) -> bool {
+      if (f) {
+        for (auto& [n, h] : f->tensors) out->push_back({n, h});
+        return true;
+      }
+      auto& m = x->states[int(s)];
+      if (m.empty()) return false;
+      for (const auto& t : ck->source().layout.tensors) {
+        auto it = m.find(t.name);
+        if (it == m.end()) continue;
+        out->push_back({t.name, hold(std::move(it->second))});
+        m.erase(it);
+      }
+      for (auto& [n, t] : m) out->push_back({n, hold(std::move(t))});
+      m.clear();
+      return true;
+    };
+
     std::vector<Compared> results;
     std::vector<std::string> header_notes;
     for (StateKind s : states) {
       const std::string sname = state_kind_name(s);
-      // Side A's tensors of this state, held.
+      std::vector<std::pair<std::string, Held>> la, lb;
+      const bool a_has = side(ca.get(), xa.get(), fa.get(), s, &la);
+      const bool b_has = side(cb.get(), xb.get(), fb.get(), s, &lb);
       std::map<std::string, Held> left;
       std::vector<std::string> order;
-      bool a_has = true, b_has = true;
-      if (fa) {
-        for (auto& [n, h] : fa->tensors) {
-          left.emplace(n, h);
-          order.push_back(n);
-        }
-      } else if (has_state(*ca, s)) {
-        consolidate_state(*ca, s, [&](const ConsolidatedTensor& t) {
-          left.emplace(t.tensor, hold(t));
-          order.push_back(t.tensor);
-        });
-      } else {
-        a_has = false;
+      for (auto& [n, h] : la) {
+        order.push_back(n);
+        left.emplace(n, std::move(h));
       }
-      if (cb && !has_state(*cb, s)) b_has = false;
+      la.clear();
       if (!a_has || !b_has) {
         if (a_has || b_has) {
           Compared x;
@@ -379,11 +298,7 @@ Command diff_command() {
         results.push_back(compare(name, sname, it->second, right, a->atol));
         left.erase(it);  // free memory early
       };
-      if (fb) {
-        for (auto& [n, h] : fb->tensors) against(n, h);
-      } else {
-        consolidate_state(*cb, s, [&](const ConsolidatedTensor& t) { against(t.tensor, hold(t)); });
-      }
+      for (auto& [n, h] : lb) against(n, h);
       for (const auto& n : order)
         if (!seen.count(n)) {
           Compared x;

@@ -1,12 +1,10 @@
-// reshard inspect: what a checkpoint holds: layout, model, tensors (canonical names, global shapes,
-// dtypes, state kinds), files and sizes, non-tensor state, problems found from the headers alone
-// (missing files, uncovered regions) and the reader's notes. --stats consolidates each state kind
-// in memory (cmd_diff.cc consolidate_state) and adds per tensor and state kind the mean, std
-// (population, ddof 0), min, max and fraction of exact zeros over every stored element (vocab
-// padding rows included).
-//
-// The JSON is built here from CheckpointReader; when include/reshard/inspect.h lands this should
-// call inspect_json() instead.
+// reshard inspect: what a checkpoint holds. The JSON is reshard::inspect_json (inspect.h: layout,
+// model, tensors, files, problems from planning to tp=1 with replica comparison, notes); the CLI adds
+// the world size, the state kinds and stored dtype of each tensor, data file sizes and missing files,
+// and with --stats per tensor and state kind (weight, fp32, exp_avg, exp_avg_sq) the numel, mean, std
+// (population, ddof 0), min, max and fraction of exact zeros over every stored element (vocab padding
+// rows included), from reshard::consolidate (consolidate.h). inspect_json's own top-level "stats"
+// (16-bit weights only) is kept in its schema, filled from the same pass.
 #include <sys/stat.h>
 
 #include <cmath>
@@ -18,25 +16,13 @@
 #include "cli/commands.h"
 #include "io/file.h"
 #include "reshard/checkpoint.h"
+#include "reshard/consolidate.h"
+#include "reshard/inspect.h"
 #include "reshard/error.h"
 #include "reshard/layout.h"
 #include "reshard/plan.h"
 
 namespace reshard::cli {
-
-// Defined in cmd_diff.cc; keep this definition identical to the one there.
-struct ConsolidatedTensor {
-  std::string tensor;
-  StateKind state = StateKind::kWeight;
-  std::vector<int64_t> shape;
-  int64_t real_rows = -1;  // vocab tensors: rows >= real_rows are padding
-  DType dtype = DType::F32;
-  const void* data = nullptr;
-  int64_t numel = 0;
-};
-bool has_state(const CheckpointReader& ckpt, StateKind s);
-void consolidate_state(const CheckpointReader& ckpt, StateKind s,
-                       const std::function<void(const ConsolidatedTensor&)>& fn);
 
 namespace {
 struct InspectArgs {
@@ -44,13 +30,13 @@ struct InspectArgs {
   bool json = false, stats = false;
 };
 
-nlohmann::json stats_of(const ConsolidatedTensor& t) {
-  nlohmann::json j;
-  const int64_t n = t.numel;
+using json = nlohmann::ordered_json;
+
+json stats_of(const std::vector<float>& v) {
+  json j;
+  const int64_t n = int64_t(v.size());
   j["numel"] = n;
-  if (n == 0 || !dtype_is_float(t.dtype)) return j;
-  std::vector<double> v(static_cast<size_t>(n));
-  convert_elements(t.data, t.dtype, v.data(), DType::F64, size_t(n));
+  if (n == 0) return j;
   double sum = 0, mn = INFINITY, mx = -INFINITY;
   int64_t zeros = 0, nonfinite = 0;
   for (double x : v) {
@@ -103,24 +89,14 @@ Command inspect_command() {
     auto ckpt = open_checkpoint(a->path, oo);
     const SourceLayout& s = ckpt->source();
     const Layout& L = s.layout;
-    nlohmann::json d;
-    d["path"] = ckpt->path();
-    d["writer"] = ckpt->writer();
-    d["layout"] = L.topo.to_string();
-    d["topology"] = {{"tp", L.topo.tp}, {"pp", L.topo.pp}, {"vpp", L.topo.vpp}, {"dp", L.topo.dp},
-                     {"zero", L.topo.zero}, {"world_size", L.topo.world_size()}};
     const ModelConfig& m = L.model;
-    d["model"] = {{"name", m.name}, {"num_layers", m.num_layers}, {"hidden", m.hidden}, {"ffn", m.ffn},
-                  {"heads", m.heads}, {"query_groups", m.groups()}, {"vocab", m.vocab},
-                  {"padded_vocab", m.vocab > 0 ? m.padded_vocab(L.topo.tp) : 0}, {"swiglu", m.swiglu},
-                  {"tied_embeddings", m.tied_embeddings}, {"bias", m.bias}, {"norm", m.norm},
-                  {"param_dtype", dtype_name(m.param_dtype)}};
     const NonTensorState& st = ckpt->state();
-    d["iteration"] = st.iteration;
-    d["step"] = st.step;
-    d["consumed_samples"] = st.consumed_samples;
+    json d = json::parse(inspect_json(*ckpt, false));
+    d["layout"] = L.topo.to_string();
+    d["topology"]["world_size"] = L.topo.world_size();
+    d["model"]["name"] = m.name;
 
-    // Per tensor: dtype (of the 16-bit weight where stored, else of the first state) and states.
+    // Per tensor: state kinds and the dtype stored (the 16-bit weight where stored).
     std::map<std::string, std::vector<std::string>> states_of;
     std::map<std::string, std::string> dtype_of;
     std::vector<int> array_dtype(L.arrays.size(), -1);
@@ -132,26 +108,21 @@ Command inspect_command() {
       if (array_dtype[i] >= 0 && (ar.state == StateKind::kWeight || !dtype_of.count(ar.tensor)))
         dtype_of[ar.tensor] = dtype_name(DType(array_dtype[i]));
     }
-    nlohmann::json tensors = nlohmann::json::array();
+    json tensors = std::move(d["tensors"]);  // d is an ordered map: no reference into it across inserts
     std::map<std::string, size_t> index_of;
-    for (const auto& t : L.tensors) {
-      nlohmann::json j;
-      j["name"] = t.name;
-      j["shape"] = t.shape;
-      j["dtype"] = dtype_of.count(t.name) ? dtype_of[t.name] : "";
-      j["split"] = split_name(t.split);
-      j["states"] = states_of[t.name];
-      if (t.real_rows >= 0) j["real_rows"] = t.real_rows;
-      index_of[t.name] = tensors.size();
-      tensors.push_back(j);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const std::string name = tensors[i]["name"].get<std::string>();
+      if (dtype_of.count(name)) tensors[i]["dtype"] = dtype_of[name];
+      tensors[i]["states"] = states_of[name];
+      index_of[name] = i;
     }
 
-    // Files and sizes.
-    nlohmann::json files = nlohmann::json::array();
+    // Data files: sizes, and missing ones as problems (first).
+    json sizes = json::array();
     uint64_t total = 0;
     std::vector<std::string> problems;
     for (size_t f = 0; f < s.files.size(); ++f) {
-      nlohmann::json j;
+      json j;
       j["path"] = s.files[f];
       j["name"] = io::base_name(s.files[f]);
       if (io::is_file(s.files[f])) {
@@ -164,37 +135,39 @@ Command inspect_command() {
         j["present"] = false;
         problems.push_back("missing data file " + s.files[f]);
       }
-      files.push_back(j);
+      sizes.push_back(j);
     }
-    d["files"] = files;
+    for (const auto& p : d["problems"]) problems.push_back(p.get<std::string>());
+    d["file_sizes"] = sizes;
     d["file_bytes"] = total;
     d["state_bytes"] = L.total_bytes();
     d["num_buffers"] = L.buffers.size();
 
-    // Coverage from the headers alone.
-    Topology t1;
-    const Layout full = derive_layout(m, t1);
-    for (const auto& g : find_coverage_gaps(s, full))
-      problems.push_back("tensor " + g.tensor + " (" + state_kind_name(g.state) + "): elements " +
-                         g.region.to_string() + " covered by no file");
-
     if (a->stats) {
-      for (StateKind k : {StateKind::kWeight, StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-        if (!has_state(*ckpt, k)) continue;
-        try {
-          consolidate_state(*ckpt, k, [&](const ConsolidatedTensor& t) {
-            auto it = index_of.find(t.tensor);
-            if (it == index_of.end()) return;
-            tensors[it->second]["stats"][state_kind_name(k)] = stats_of(t);
-          });
-        } catch (const Error& e) {
-          problems.push_back(std::string("stats of ") + state_kind_name(k) + " unavailable: " + e.what());
-        }
+      json top = json::object();
+      try {
+        bool opt = false;
+        for (const auto& ar : L.arrays) opt |= ar.state != StateKind::kWeight;
+        ConsolidateOptions co;
+        co.optimizer = opt;
+        co.replica_policy = ReplicaPolicy::kFirst;  // differing replicas are reported in problems
+        co.compare_replicas = false;
+        Consolidated c = consolidate(*ckpt, co);
+        for (int k = 0; k < kNumStateKinds; ++k)
+          for (auto& [name, t] : c.states[k]) {
+            auto it = index_of.find(name);
+            json js = stats_of(t.values);
+            if (k == int(StateKind::kWeight)) top[name] = js;
+            if (it != index_of.end()) tensors[it->second]["stats"][state_kind_name(StateKind(k))] = js;
+            std::vector<float>().swap(t.values);
+          }
+      } catch (const Error& e) {
+        problems.push_back(std::string("stats: ") + e.what());
       }
+      d["stats"] = top;
     }
     d["tensors"] = tensors;
     d["problems"] = problems;
-    d["notes"] = ckpt->notes();
 
     if (a->json) {
       std::cout << d.dump(2) << std::endl;
@@ -221,7 +194,7 @@ Command inspect_command() {
         }
     }
     std::printf("files:\n");
-    for (const auto& j : files)
+    for (const auto& j : sizes)
       std::printf("  %s %s\n", j["name"].get<std::string>().c_str(),
                   j["present"].get<bool>() ? (std::to_string(j["bytes"].get<uint64_t>()) + " bytes").c_str() : "MISSING");
     for (const auto& p : problems) std::printf("problem: %s\n", p.c_str());

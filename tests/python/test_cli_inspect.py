@@ -53,8 +53,9 @@ def test_inspect_json_of_synth(tmp_path):
     assert {t["name"]: t["shape"] for t in j["tensors"]} == expected_shapes()
     emb = next(t for t in j["tensors"] if t["name"] == "embedding.word_embeddings.weight")
     assert emb["dtype"] == "BF16" and sorted(emb["states"]) == ["exp_avg", "exp_avg_sq", "fp32", "weight"]
-    assert len(j["files"]) == 8 and all(f["present"] and f["bytes"] > 0 for f in j["files"])
-    assert j["file_bytes"] == sum(f["bytes"] for f in j["files"]) > j["state_bytes"] > 0
+    assert len(j["files"]) == 8 and all(f.endswith(".safetensors") for f in j["files"])
+    assert all(f["present"] and f["bytes"] > 0 for f in j["file_sizes"])
+    assert j["file_bytes"] == sum(f["bytes"] for f in j["file_sizes"]) > j["state_bytes"] > 0
     assert j["problems"] == [] and j["iteration"] == 12 and j["step"] == 12
     # the text form names the layout and the tensors
     r = run("inspect", ck)
@@ -67,7 +68,7 @@ def test_inspect_reports_missing_file(tmp_path):
     r = run("inspect", ck, "--json")
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
-    assert [f["present"] for f in j["files"]] == [True, False]
+    assert [f["present"] for f in j["file_sizes"]] == [True, False]
     assert any("missing data file" in p and "rank_00001" in p for p in j["problems"])
     assert any("covered by no file" in p for p in j["problems"])
 
@@ -103,6 +104,8 @@ def test_stats_match_numbers_from_the_files(tmp_path, layout):
                 assert s[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), (t["name"], state, k)
             seen += 1
     assert seen == len(ref) == 4 * len(expected_shapes())
+    # inspect_json's own schema: top-level "stats" of the 16-bit weights
+    assert j["stats"]["lm_head.weight"]["mean"] == pytest.approx(ref[("lm_head.weight", "weight")]["mean"], rel=1e-9)
 
 
 def test_stats_show_a_zeroed_shard(tmp_path):
