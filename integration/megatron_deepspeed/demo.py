@@ -44,7 +44,10 @@ def run(name, tp, pp, dp, module, extra, out, timeout):
            "-m", f"integration.megatron_deepspeed.{module}"] + extra + [
                "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--log-json", log, "--quiet"] + MODEL
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"), REPO]))
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"), REPO]),
+               # DeepSpeed JIT-builds its CPU shm op at init; a per-venv build folder keeps jobs of
+               # other checkouts (another venv) from invalidating it or holding its lock.
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".venv", "torch_extensions")))
     t0 = time.time()
     print(f"[demo] {name}: tp={tp},pp={pp},dp={dp} ({world} ranks)", flush=True)
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -102,9 +105,17 @@ def main(argv=None):
     for (tp, pp, dp) in targets:
         name = f"resume_tp{tp}_pp{pp}_dp{dp}"
         rep_path = os.path.join(out, f"{name}.reshard.json")
+        # The restart is driven by a resume config (configs/resume/*.yaml format), as a trainer
+        # would be on a real restart.
+        rc_path = os.path.join(out, f"{name}.resume.yaml")
+        with open(rc_path, "w") as f:
+            f.write(f"checkpoint:\n  root: {load_root}\n  step: \"{K}\"\n"
+                    f"target: tp={tp},pp={pp},dp={dp},zero=1\n"
+                    "policies:\n  replicas: error\n  strict_missing: true\n  strict_unexpected: true\n"
+                    "  memory_budget_gib: 1\n")
         losses = run(name, tp, pp, dp, "train",
-                     ["--load", load_root, "--load-with", "reshard", "--load-step", str(K), "--reshard-report", rep_path,
-                      "--steps", str(K + N)], out, args.timeout)
+                     ["--resume-config", rc_path, "--reshard-report", rep_path, "--steps", str(K + N)], out,
+                     args.timeout)
         with open(rep_path) as f:
             rep = json.load(f)
         after = [s for s in sorted(losses) if s > K]
