@@ -648,7 +648,16 @@ def main(argv=None):
     ap.add_argument("--keep-data", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
-    a.argv = argv
+    # The command as the user typed it (scripts/bench.sh adds --reshard-bin and --plan-bench).
+    shown, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in ("--reshard-bin", "--plan-bench"):
+            skip = True
+        else:
+            shown.append(x)
+    a.argv = shown
     q = a.quick
     a.size_gb = a.size_gb or (0.3 if q else 2.0)
     default_targets = ["tp=1,pp=1,dp=2,zero=1", "tp=2,pp=1,dp=1,zero=1"]
