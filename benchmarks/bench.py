@@ -601,7 +601,7 @@ def plots(entries, out):
                     xs.append(j + i * w)
                     ys.append(e["gbps"])
             if xs:
-                ax.bar(xs, ys, w, label=s)
+                ax.bar(xs, ys, w, label=s, color=f"C{i}")
         c = ceil.get((cache, "native"))
         if c:
             ax.axhline(c["gbps"], color="k", ls="--", lw=1, label=f"read ceiling {c['gbps']:.2f}")
