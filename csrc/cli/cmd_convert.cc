@@ -22,6 +22,7 @@
 #include "reshard/checkpoint.h"
 #include "reshard/comm.h"
 #include "reshard/comm_mpi.h"
+#include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/native.h"
 #include "reshard/reshard.h"
@@ -179,9 +180,9 @@ Command convert_command() {
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
       auto ckpt = open_checkpoint(a->in, oo);
       const SourceLayout& src = ckpt->source();
-      DeriveOptions dopt;
-      dopt.weights_on_dp0_only = true;  // a saved checkpoint holds dp-replicated weights once
-      const Layout target = derive_layout(src.layout.model, target_topo, dopt);
+      LikeOptions lo;
+      lo.weights_on_dp0_only = true;  // a saved checkpoint holds dp-replicated weights once
+      const Layout target = layout_like(src, target_topo, lo);  // the source's own tensors at the target
       const std::string step = step_name(*a, *ckpt);
       if (io::exists(a->out) && !io::is_dir(a->out))
         fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " is a file; give a folder");

@@ -8,6 +8,7 @@
 
 #include "cli/commands.h"
 #include "reshard/checkpoint.h"
+#include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/layout.h"
 #include "reshard/native.h"
@@ -61,7 +62,7 @@ Command verify_command() {
       for (const auto& n : ckpt->notes())
         if (n.rfind("missing data file ", 0) == 0) missing.push_back(n);
       Topology t1;  // tp=1, pp=1, dp=1, zero=0 of the checkpoint's own model
-      Layout target = derive_layout(src.layout.model, t1);
+      Layout target = layout_like(src, t1);
       for (const auto& g : find_coverage_gaps(src, target))
         uncovered.push_back("tensor " + g.tensor + " (" + state_kind_name(g.state) + "): elements " +
                             g.region.to_string() + " of " + shape_of(target, g.tensor, g.state) + " covered by no file");
