@@ -1,6 +1,6 @@
 """Reliability: one rank dies (SIGKILL) in the middle of a load. Nobody may hang.
 
-1. torch.distributed (gloo) ranks started by this test, each running reshard.load with a
+1. torch.distributed (gloo) ranks (3) started by this test, each running reshard.load with a
    communicator whose all_to_all_v raises SIGKILL on itself in rank K at its Nth exchange (the hook
    is in this test's driver, RELIABILITY_KILL_RANK / RELIABILITY_KILL_AT_CALL; the library has
    none). The survivors must fail with a reshard.Error naming the rank and the collective, within
@@ -103,15 +103,15 @@ def ckpt(tmp_path_factory):
 def test_gloo_ranks_survivors_fail_clearly_within_a_bound(ckpt, tmp_path):
     drv = tmp_path / "driver.py"
     drv.write_text(DRIVER)
-    world = 4
+    world = 3  # 3 Python+torch processes: keeps the test short on a 2-core CI machine
     env = env_for_driver()
-    env.update(RELIABILITY_KILL_RANK="2", RELIABILITY_KILL_AT_CALL="3", WORLD_SIZE=str(world),
+    env.update(RELIABILITY_KILL_RANK="1", RELIABILITY_KILL_AT_CALL="3", WORLD_SIZE=str(world),
                RELIABILITY_GLOO_TIMEOUT_S="30")
     procs = []
     t0 = time.time()
     for r in range(world):
         e = dict(env, RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, str(drv), str(ckpt), "tp=1,pp=1,dp=4,zero=1",
+        procs.append(subprocess.Popen([sys.executable, str(drv), str(ckpt), "tp=1,pp=1,dp=3,zero=1",
                                        str(tmp_path / "store")], env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
@@ -127,11 +127,11 @@ def test_gloo_ranks_survivors_fail_clearly_within_a_bound(ckpt, tmp_path):
     print(f"all ranks ended after {secs:.1f} s")
     for r, out in enumerate(outs):
         print(f"--- rank {r} (exit {procs[r].returncode}):\n{out[-1500:]}")
-    assert procs[2].returncode == -signal.SIGKILL, outs[2]
-    for r in (0, 1, 3):
+    assert procs[1].returncode == -signal.SIGKILL, outs[1]
+    for r in (0, 2):
         assert procs[r].returncode == 2, outs[r]
         line = next(l for l in outs[r].splitlines() if "RESHARD_ERROR" in l)
-        assert f"[rank {r}/4]" in line, line
+        assert f"[rank {r}/3]" in line and "all_to_all_v" in line, line
     assert secs < BOUND_S
 
 
@@ -142,9 +142,9 @@ def test_gloo_ranks_under_mpirun_job_ends_nonzero_within_a_bound(ckpt, tmp_path)
     drv.write_text(DRIVER)
     env = env_for_driver()
     env.update(RELIABILITY_KILL_RANK="1", RELIABILITY_KILL_AT_CALL="2")
-    cmd = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "4", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+    cmd = [MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
            "-x", "RELIABILITY_KILL_RANK", "-x", "RELIABILITY_KILL_AT_CALL",
-           sys.executable, str(drv), str(ckpt), "tp=1,pp=1,dp=4,zero=1", str(tmp_path / "store")]
+           sys.executable, str(drv), str(ckpt), "tp=1,pp=1,dp=2,zero=1", str(tmp_path / "store")]
     t0 = time.time()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
