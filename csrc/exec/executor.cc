@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <sstream>
+#include <memory>
 #include <thread>
 
 #include "reshard/error.h"
@@ -170,7 +171,6 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   for (size_t i = plan.fragments.size(); i-- > 0;) wave_begin[plan.fragments[i].wave] = i;
   for (int w = plan.num_waves - 1; w >= 0; --w) wave_begin[w] = std::min(wave_begin[w], wave_begin[w + 1]);
 
-  std::vector<uint8_t> staging, sendbuf, recvbuf;
   bool written = false;
   // Elements still to be written per buffer of this rank (for on_buffer_done).
   std::vector<int64_t> remaining(target.buffers.size(), 0);
@@ -192,62 +192,75 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     written = true;
     wrote(f.buffer, rel.numel());
   }
+  // Single-copy waves. A fragment read by this rank goes straight to where it ends up:
+  //  - "direct" (verify off only): its only delivery is this rank, same dtype, contiguous on both
+  //    sides -> pread into the live buffer (no staging, no unpack);
+  //  - it has remote deliveries -> pread into its slot of the send buffer of the first remote
+  //    receiver (copied to further receivers' slots; local deliveries unpack from there);
+  //  - otherwise -> staging, then unpack.
+  // Checksums are checked by the reading thread; staging/send/recv memory is reused across waves
+  // and never zero-initialised; unpack and receive-scatter run on the thread pool.
+  auto dense = [](const Box& b, const std::array<int64_t, kMaxDims>& s) {
+    int64_t expect = 1;
+    for (int d = b.ndim - 1; d >= 0; --d) {
+      if (b.len[d] != 1 && s[d] != expect) return false;
+      expect *= b.len[d];
+    }
+    return true;
+  };
+  struct Grow {
+    std::unique_ptr<uint8_t[]> p;
+    uint64_t cap = 0;
+    uint8_t* get(uint64_t n) {
+      if (n > cap) { p.reset(new uint8_t[n]); cap = n; }
+      return p.get();
+    }
+  } staging_mem, send_mem, recv_mem;
   for (int w = 0; w < plan.num_waves; ++w) {
     const size_t lo = wave_begin[w], hi = wave_begin[w + 1];
-    // Layout of this rank's staging (fragments it reads) and send/recv buffers (per peer, in
-    // fragment order; a fragment goes once to each remote rank it has deliveries for).
-    std::vector<size_t> mine;
-    std::vector<uint64_t> stage_off;
-    uint64_t stage_bytes = 0;
     std::vector<uint64_t> send_counts(W, 0), recv_counts(W, 0);
+    struct Mine { size_t frag; uint8_t* dst; bool direct, verify; int32_t peer; uint64_t off; };
+    std::vector<Mine> mine;
+    std::vector<std::pair<size_t, uint64_t>> incoming;  // (fragment, offset within its sender's recv block)
+    uint64_t stage_bytes = 0;
+    // Pass 1: counts, and which of my fragments go where.
     for (size_t i = lo; i < hi; ++i) {
       const Fragment& f = plan.fragments[i];
       int32_t last = -1;
+      bool remote = false, for_me = false;
+      int32_t first_peer = -1;
+      uint64_t first_off = 0;
       for (uint32_t k = 0; k < f.num_deliveries; ++k) {
         int32_t r = plan.deliveries[f.first_delivery + k].rank;
+        if (r == me) for_me = true;
         if (r == last) continue;
         last = r;
-        if (f.reader == me && r != me) send_counts[r] += f.bytes();
-        if (r == me && f.reader != me) recv_counts[f.reader] += f.bytes();
+        if (f.reader == me && r != me) {
+          if (!remote) { first_peer = r; first_off = send_counts[r]; }
+          remote = true;
+          send_counts[r] += f.bytes();
+        }
+        if (r == me && f.reader != me) {
+          incoming.push_back({i, recv_counts[f.reader]});
+          recv_counts[f.reader] += f.bytes();
+        }
       }
-      if (f.reader == me) {
-        mine.push_back(i);
-        stage_off.push_back(stage_bytes);
+      if (f.reader != me) continue;
+      Mine m{i, nullptr, false, false, first_peer, first_off};
+      if (!remote && f.num_deliveries == 1 && for_me) {
+        const Delivery& dv = plan.deliveries[f.first_delivery];
+        // Straight into live memory only when no checksum is to be checked: a corrupted byte must
+        // be found before it reaches a live tensor (then the error is clean, not "state unusable").
+        m.direct = opt.verify == VerifyMode::kOff && target.buffers[dv.buffer].dtype == f.src_dtype &&
+                   dense(f.box, f.src_strides) && dense(f.box, dv.strides);
+      }
+      if (!m.direct && !remote) {
+        m.off = stage_bytes;  // staging offset
         stage_bytes += f.bytes();
       }
+      m.verify = opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides);
+      mine.push_back(m);
     }
-    staging.resize(stage_bytes);
-    // Read.
-    auto tr = Clock::now();
-    std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
-      const Fragment& f = plan.fragments[mine[k]];
-      Box rel = f.box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-      read_box(f.file, f.byte_base, f.src_dtype, rel, f.src_strides, read, staging.data() + stage_off[k]);
-    });
-    st.read_seconds += seconds_since(tr);
-    st.bytes_read += stage_bytes;
-    if (err.empty() && opt.verify != VerifyMode::kOff) {
-      for (size_t k = 0; k < mine.size() && err.empty(); ++k) {
-        const Fragment& f = plan.fragments[mine[k]];
-        uint64_t n = f.bytes();
-        // A fragment stored contiguously can be checked against a stored piece checksum.
-        bool contiguous = true;
-        int64_t expect = 1;
-        for (int d = f.box.ndim - 1; d >= 0; --d) {
-          if (f.box.len[d] != 1 && f.src_strides[d] != expect) contiguous = false;
-          expect *= f.box.len[d];
-        }
-        if (!contiguous) continue;
-        std::string bad = source.verify_range(f.file, f.byte_base, n, staging.data() + stage_off[k]);
-        if (!bad.empty()) err = bad;
-        else ++st.checksums_verified;
-      }
-    }
-    agree_or_throw(comm, err.empty() ? "" : prefix(comm) + err, ErrorCode::kDataLoss,
-                   "reading wave " + std::to_string(w), written);
-    // Pack sends, scatter local deliveries.
-    auto tx = Clock::now();
     std::vector<uint64_t> send_displs(W, 0), recv_displs(W, 0);
     uint64_t total_send = 0, total_recv = 0;
     for (int r = 0; r < W; ++r) {
@@ -256,67 +269,144 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       recv_displs[r] = total_recv;
       total_recv += recv_counts[r];
     }
-    sendbuf.resize(total_send);
-    recvbuf.resize(total_recv);
-    std::vector<uint64_t> send_at = send_displs;
-    try {
-      for (size_t k = 0; k < mine.size(); ++k) {
-        const Fragment& f = plan.fragments[mine[k]];
-        const uint8_t* packed = staging.data() + stage_off[k];
+    uint8_t* staging = staging_mem.get(std::max<uint64_t>(stage_bytes, 1));
+    uint8_t* sendbuf = send_mem.get(std::max<uint64_t>(total_send, 1));
+    uint8_t* recvbuf = recv_mem.get(std::max<uint64_t>(total_recv, 1));
+    for (Mine& m : mine) {
+      const Fragment& f = plan.fragments[m.frag];
+      if (m.direct) {
+        const Delivery& dv = plan.deliveries[f.first_delivery];
+        m.dst = static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(target.buffers[dv.buffer].dtype));
+      } else if (m.peer >= 0) {
+        m.dst = sendbuf + send_displs[m.peer] + m.off;
+      } else {
+        m.dst = staging + m.off;
+      }
+    }
+    bool any_direct = false;
+    for (const Mine& m : mine) any_direct |= m.direct;
+    // Read (+ verify) on the pool.
+    auto tr = Clock::now();
+    std::atomic<uint64_t> nverified{0};
+    std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
+      const Mine& m = mine[k];
+      const Fragment& f = plan.fragments[m.frag];
+      if (m.direct || dense(f.box, f.src_strides)) {
+        source.read(f.file, f.byte_base, f.bytes(), m.dst);
+      } else {
         Box rel = f.box;
         for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-        int32_t last = -1;
-        for (uint32_t j = 0; j < f.num_deliveries; ++j) {
-          const Delivery& dv = plan.deliveries[f.first_delivery + j];
-          if (dv.rank == me) {
-            const Buffer& b = target.buffers[dv.buffer];
-            unpack_box(packed, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
-                       b.dtype, rel, dv.strides);
-            written = true;
-            wrote(dv.buffer, rel.numel());
-          } else if (dv.rank != last) {
-            std::memcpy(sendbuf.data() + send_at[dv.rank], packed, f.bytes());
-            send_at[dv.rank] += f.bytes();
-          }
-          if (dv.rank != me) last = dv.rank;
-        }
+        read_box(f.file, f.byte_base, f.src_dtype, rel, f.src_strides, read, m.dst);
       }
-    } catch (const Error& e) {
-      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
-           "state is unusable and the trainer must abort: ", e.what());
+      if (m.verify) {
+        std::string bad = source.verify_range(f.file, f.byte_base, f.bytes(), m.dst);
+        if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
+        nverified.fetch_add(1);
+      }
+    });
+    st.read_seconds += seconds_since(tr);
+    st.bytes_read += [&] { uint64_t n = 0; for (const Mine& m : mine) n += plan.fragments[m.frag].bytes(); return n; }();
+    st.checksums_verified += nverified.load();
+    agree_or_throw(comm, err.empty() ? "" : prefix(comm) + err, ErrorCode::kDataLoss,
+                   "reading wave " + std::to_string(w), written || any_direct);
+    for (const Mine& m : mine)
+      if (m.direct) {
+        written = true;
+        const Fragment& f = plan.fragments[m.frag];
+        wrote(plan.deliveries[f.first_delivery].buffer, f.box.numel());
+      }
+    // Copies to further receivers' slots, and local unpacks, on the pool.
+    auto tx = Clock::now();
+    std::vector<uint64_t> send_at = send_displs;
+    struct Copy { const uint8_t* src; size_t frag; int32_t peer_or_delivery; uint64_t dst_off; bool local; };
+    std::vector<Copy> copies;
+    for (const Mine& m : mine) {
+      if (m.direct) continue;
+      const Fragment& f = plan.fragments[m.frag];
+      int32_t last = -1;
+      bool first_remote = true;
+      for (uint32_t j = 0; j < f.num_deliveries; ++j) {
+        const Delivery& dv = plan.deliveries[f.first_delivery + j];
+        if (dv.rank == me) {
+          copies.push_back({m.dst, m.frag, int32_t(f.first_delivery + j), 0, true});
+        } else if (dv.rank != last) {
+          if (!first_remote) copies.push_back({m.dst, m.frag, dv.rank, send_at[dv.rank], false});
+          first_remote = false;
+          send_at[dv.rank] += f.bytes();
+        }
+        if (dv.rank != me) last = dv.rank;
+      }
     }
-    comm.all_to_all_v(sendbuf.data(), send_counts, send_displs, recvbuf.data(), recv_counts, recv_displs);
+    std::string cerr = parallel_for(copies.size(), opt.io_threads, [&](size_t k) {
+      const Copy& c = copies[k];
+      const Fragment& f = plan.fragments[c.frag];
+      if (!c.local) {
+        std::memcpy(sendbuf + c.dst_off, c.src, f.bytes());
+        return;
+      }
+      const Delivery& dv = plan.deliveries[c.peer_or_delivery];
+      const Buffer& b = target.buffers[dv.buffer];
+      Box rel = f.box;
+      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      unpack_box(c.src, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
+                 b.dtype, rel, dv.strides);
+    });
+    for (const Copy& c : copies)
+      if (c.local) {
+        written = true;
+        wrote(plan.deliveries[c.peer_or_delivery].buffer, plan.fragments[c.frag].box.numel());
+      }
+    if (!cerr.empty())
+      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
+           "state is unusable and the trainer must abort: ", cerr);
+    try {
+      comm.all_to_all_v(sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs);
+    } catch (const Error& e) {
+      if (!written) throw;
+      fail(ErrorCode::kFailedPrecondition, prefix(comm), "exchange of wave ", w, " failed after live tensors were "
+           "partly written; the live state is unusable and the trainer must abort: ", e.what());
+    }
     st.exchange_seconds += seconds_since(tx);
     for (int r = 0; r < W; ++r) {
       st.bytes_sent += send_counts[r];
       st.bytes_received += recv_counts[r];
     }
-    // Scatter received fragments (same order as the sender packed them).
+    // Scatter received fragments on the pool.
     auto ts = Clock::now();
-    std::vector<uint64_t> recv_at = recv_displs;
-    for (size_t i = lo; i < hi; ++i) {
+    std::vector<std::pair<const uint8_t*, uint32_t>> rx;  // (packed, delivery index)
+    for (const auto& [i, off] : incoming) {
       const Fragment& f = plan.fragments[i];
-      if (f.reader == me) continue;
-      bool for_me = false;
-      for (uint32_t j = 0; j < f.num_deliveries; ++j) for_me |= plan.deliveries[f.first_delivery + j].rank == me;
-      if (!for_me) continue;
-      const uint8_t* packed = recvbuf.data() + recv_at[f.reader];
-      recv_at[f.reader] += f.bytes();
+      const uint8_t* packed = recvbuf + recv_displs[f.reader] + off;
+      for (uint32_t j = 0; j < f.num_deliveries; ++j)
+        if (plan.deliveries[f.first_delivery + j].rank == me) rx.push_back({packed, uint32_t(f.first_delivery + j)});
+    }
+    // Fragment of each delivery: deliveries are contiguous per fragment, so map back through incoming.
+    std::vector<size_t> rx_frag;
+    for (const auto& [i, off] : incoming) {
+      const Fragment& f = plan.fragments[i];
+      for (uint32_t j = 0; j < f.num_deliveries; ++j)
+        if (plan.deliveries[f.first_delivery + j].rank == me) rx_frag.push_back(i);
+    }
+    std::string serr = parallel_for(rx.size(), opt.io_threads, [&](size_t k) {
+      const Fragment& f = plan.fragments[rx_frag[k]];
+      const Delivery& dv = plan.deliveries[rx[k].second];
+      const Buffer& b = target.buffers[dv.buffer];
       Box rel = f.box;
       for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-      for (uint32_t j = 0; j < f.num_deliveries; ++j) {
-        const Delivery& dv = plan.deliveries[f.first_delivery + j];
-        if (dv.rank != me) continue;
-        const Buffer& b = target.buffers[dv.buffer];
-        unpack_box(packed, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
-                   b.dtype, rel, dv.strides);
-        written = true;
-        wrote(dv.buffer, rel.numel());
-      }
+      unpack_box(rx[k].first, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
+                 b.dtype, rel, dv.strides);
+    });
+    for (size_t k = 0; k < rx.size(); ++k) {
+      written = true;
+      wrote(plan.deliveries[rx[k].second].buffer, plan.fragments[rx_frag[k]].box.numel());
     }
+    if (!serr.empty())
+      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
+           "state is unusable and the trainer must abort: ", serr);
     st.scatter_seconds += seconds_since(ts);
     st.peak_staging_bytes = std::max<uint64_t>(st.peak_staging_bytes, stage_bytes + total_send + total_recv);
   }
+
 
   // Buffers of tensors the checkpoint lacks (strict_missing off) stay as they were: nothing to check.
   comm.barrier();
