@@ -9,6 +9,10 @@ bash scripts/setup.sh
 export PATH="$ROOT/.venv/bin:$PATH"
 export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer (~70 MB) in /dev/shm per rank
+# and run; remove the ones this run made, so repeated runs do not fill the machine's memory.
+SHM_MARK=$(mktemp)
+trap 'find /dev/shm -maxdepth 1 -name "deepspeed_allreduce_buffer_*" -newer "$SHM_MARK" -delete 2>/dev/null; rm -f "$SHM_MARK"' EXIT
 echo "== dry run: GPT-3 175B, tp=8,pp=16,dp=8 -> tp=4,pp=8,dp=32 (ZeRO-1)"
 build/bin/reshard plan --model gpt3-175b --source tp=8,pp=16,dp=8,zero=1 --target tp=4,pp=8,dp=32,zero=1
 if [[ -f integration/megatron_deepspeed/demo.py ]]; then

@@ -55,7 +55,7 @@ std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target,
   if (nbad > 0 && policy == ReplicaPolicy::kError) {
     fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint in ", nbad,
          " region(s): ", bad.str(), " (replica policy 'error', atol ", atol,
-         "; choose 'first' or 'average' to load anyway); nothing was written");
+         "; choose policy 'first' or a tolerance to load anyway); nothing was written");
   }
   std::vector<uint8_t> packed;
   for (const Fragment& f : plan.fragments) {

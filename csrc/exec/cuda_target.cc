@@ -569,7 +569,7 @@ std::vector<std::string> preflight(const Plan& plan, const Layout& target, const
     if (!msg.empty())
       fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
            " (replica policy 'error', atol ", opt.plan.replica_atol,
-           "; choose 'first' or 'average' to load anyway); no live tensor was written");
+           "; choose policy 'first' or a tolerance to load anyway); no live tensor was written");
   } else {
     for (const auto& s : all)
       if (!s.empty()) report.push_back(s);

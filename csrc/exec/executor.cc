@@ -159,7 +159,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       if (!msg.empty())
         fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
              " (replica policy 'error', atol ", opt.replica_atol,
-             "; choose 'first' or 'average' to load anyway); no live tensor was written");
+             "; choose policy 'first' or a tolerance to load anyway); no live tensor was written");
     } else {
       for (const auto& s : comm.all_gather_strings(dmsg))
         if (!s.empty()) st.replica_report.push_back(s);

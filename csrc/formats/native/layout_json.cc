@@ -319,10 +319,10 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     dims_from(f["strides"], a.ndim, p.strides, true);
     p.base = f["base"].i64();
     for (int d = 0; d < a.ndim; ++d)
-      if (p.box.off[d] + p.box.len[d] > a.shape[d])
+      if (p.box.len[d] > a.shape[d] || p.box.off[d] > a.shape[d] - p.box.len[d])  // no int64 overflow
         f.bad("box " + p.box.to_string() + " exceeds the shape of array " + a.key());
-    if (p.base < 0 || p.base + piece_span(p) > L.buffers[p.buffer].numel)
-      f.bad("elements [" + std::to_string(p.base) + ", " + std::to_string(p.base + piece_span(p)) +
+    if (p.base < 0 || piece_span(p) > L.buffers[p.buffer].numel - p.base)  // no int64 overflow
+      f.bad("elements [" + std::to_string(p.base) + ", " + std::to_string(uint64_t(p.base) + uint64_t(piece_span(p))) +
             ") lie outside buffer " + L.buffers[p.buffer].name + " of " + std::to_string(L.buffers[p.buffer].numel) +
             " elements");
     if (checksums) checksums->push_back(f.has("xxh3") ? f["xxh3"].str() : std::string());

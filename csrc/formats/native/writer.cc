@@ -120,6 +120,15 @@ std::string build_metadata(const std::string& step, const Layout& L, const NonTe
   return meta.dump(1) + "\n";
 }
 
+// ".tmp-<step>-<16 hex>", ".old-<step>-<16 hex>" or ".latest-<16 hex>" of any save.
+bool is_any_leftover(const std::string& name) {
+  const bool kind = name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0 || name.rfind(".latest-", 0) == 0;
+  if (!kind || name.size() < 17 + 5 || name[name.size() - 17] != '-') return false;
+  for (size_t i = name.size() - 16; i < name.size(); ++i)
+    if (!std::isxdigit(static_cast<unsigned char>(name[i]))) return false;
+  return true;
+}
+
 bool is_leftover_of(const std::string& name, const std::string& prefix) {
   // prefix + 16 hex digits: a temporary of an earlier save of the same step.
   if (name.size() != prefix.size() + 16 || name.compare(0, prefix.size(), prefix) != 0) return false;
@@ -154,9 +163,10 @@ void commit_step(const std::string& root, const std::string& step, const std::st
   io::write_text(tmp_latest, step + "\n");
   io::rename_path(tmp_latest, io::join(root, kLatestFile));
   io::fsync_dir(root);
-  // Leftovers of earlier crashed saves of this step.
+  // Leftovers of earlier crashed saves (any step): each can be as large as a checkpoint. Saves
+  // into one root are not concurrent (docs/format.md), so whatever is left now is dead.
   for (const auto& n : io::list_dir(root)) {
-    if (is_leftover_of(n, ".tmp-" + step + "-") || is_leftover_of(n, ".old-" + step + "-")) {
+    if (is_any_leftover(n)) {
       try {
         io::remove_all(io::join(root, n));
       } catch (const Error&) {
