@@ -8,11 +8,15 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <functional>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "formats/deepspeed/ds_names.h"
 #include "formats/safetensors/safetensors.h"
+#include "reshard/torch_archive.h"
 #include "io/file.h"
 #include "reshard/checkpoint.h"
 #include "reshard/consolidate.h"
@@ -79,6 +83,82 @@ SafetensorsFile read_safetensors(const std::string& path) {
   }
   if (f.tensors.empty()) fail(ErrorCode::kInvalidArgument, path, " holds no tensors");
   return f;
+}
+
+// A torch.save state dict (e.g. DeepSpeed's zero_to_fp32 output): name -> tensor, possibly nested
+// (Megatron's module dict) or under a "module" key. DeepSpeed module names are mapped to the
+// canonical names `inspect` shows: pipeline names by the role of each spec (transformer specs
+// numbered in spec order), plain-engine names by their Megatron path (formats.md §1.3-1.4).
+SafetensorsFile read_torch_state_dict(const std::string& path) {
+  SafetensorsFile f;
+  f.path = path;
+  pt::TorchArchive ar = pt::open_torch_file(path);
+  const pt::PyValue* root = &ar.root();
+  if (root->is(pt::PyValue::Kind::Dict))
+    if (const pt::PyValue* m = root->get("module"); m && m->is(pt::PyValue::Kind::Dict)) root = m;
+  if (!root->is(pt::PyValue::Kind::Dict))
+    fail(ErrorCode::kInvalidArgument, path, ": expected a state dict (name -> tensor) at the top level, found ", root->kind_name());
+  std::vector<std::pair<std::string, const pt::TensorInfo*>> flat;
+  std::function<void(const pt::PyValue&, const std::string&)> walk = [&](const pt::PyValue& d, const std::string& pre) {
+    for (const auto& [k, v] : d.entries) {
+      if (!k || !k->is(pt::PyValue::Kind::String)) continue;
+      const std::string name = pre.empty() ? k->text : pre + "." + k->text;
+      if (v->is(pt::PyValue::Kind::Dict)) walk(*v, name);
+      else if (v->is(pt::PyValue::Kind::Tensor)) flat.push_back({name, v->tensor.get()});
+    }
+  };
+  walk(*root, "");
+  if (flat.empty()) fail(ErrorCode::kInvalidArgument, path, " holds no tensors");
+  // Pipeline names: roles per spec from the local names inside it.
+  std::map<int, std::set<std::string>> spec_locals;
+  bool pipeline = false;
+  for (const auto& [n, t] : flat) {
+    ds::PipeName pn = ds::split_pipe_name(n);
+    if (pn.spec >= 0 || !pn.tied.empty()) pipeline = true;
+    if (pn.spec >= 0) spec_locals[pn.spec].insert(pn.local);
+  }
+  std::map<int, std::pair<ds::SpecRole, int>> spec_role;  // spec -> (role, global layer)
+  int layer = 0;
+  for (const auto& [spec, locals] : spec_locals) {
+    ds::SpecRole r = ds::role_of_locals(locals);
+    spec_role[spec] = {r, r == ds::SpecRole::kTransformer ? layer++ : -1};
+  }
+  ds::FileName unused;
+  (void)unused;
+  io::File fh = io::File::open_read(path);
+  for (const auto& [n, t] : flat) {
+    std::string canonical;
+    if (pipeline) {
+      ds::PipeName pn = ds::split_pipe_name(n);
+      if (!pn.tied.empty()) {
+        canonical = ds::canonical_in_spec(ds::SpecRole::kEmbedding, -1, pn.local, n);
+      } else if (pn.spec >= 0) {
+        auto [role, l] = spec_role[pn.spec];
+        if (role == ds::SpecRole::kNormCandidate) role = ds::SpecRole::kFinalNorm;
+        canonical = ds::canonical_in_spec(role, l, pn.local, n);
+      } else {
+        canonical = n;
+      }
+    } else {
+      canonical = ds::canonical_plain(n);
+    }
+    if (!t->dtype_known) fail(ErrorCode::kUnsupported, path, ": tensor ", n, " has dtype ", t->torch_dtype, ", which reshard does not read");
+    if (!t->is_contiguous()) fail(ErrorCode::kUnsupported, path, ": tensor ", n, " is not contiguous");
+    Held x;
+    x.shape = t->shape;
+    x.dtype = t->dtype;
+    x.numel = int64_t(t->numel());
+    x.data.resize(size_t(x.numel) * dtype_size(x.dtype));
+    if (!x.data.empty()) fh.pread(ar.tensor_data_offset(*t), x.data.size(), x.data.data());
+    f.all_f32 &= x.dtype == DType::F32;
+    if (!f.tensors.emplace(canonical, std::move(x)).second)
+      fail(ErrorCode::kInvalidArgument, path, ": two tensors map to the canonical name ", canonical);
+  }
+  return f;
+}
+
+bool has_suffix(const std::string& p, const std::string& suf) {
+  return p.size() > suf.size() && p.compare(p.size() - suf.size(), suf.size(), suf) == 0;
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -204,8 +284,10 @@ Command diff_command() {
     std::unique_ptr<SafetensorsFile> fa, fb;
     auto open_side = [](const std::string& p, const std::string& model, std::unique_ptr<CheckpointReader>* ck,
                         std::unique_ptr<SafetensorsFile>* f) {
-      if (is_regular_file(p) && p.size() > 12 && p.compare(p.size() - 12, 12, ".safetensors") == 0) {
+      if (is_regular_file(p) && has_suffix(p, ".safetensors")) {
         *f = std::make_unique<SafetensorsFile>(read_safetensors(p));
+      } else if (is_regular_file(p) && (has_suffix(p, ".pt") || has_suffix(p, ".bin") || has_suffix(p, ".pth"))) {
+        *f = std::make_unique<SafetensorsFile>(read_torch_state_dict(p));
       } else {
         OpenOptions oo;
         if (!model.empty()) oo.model_path = resolve_model_path(model);
