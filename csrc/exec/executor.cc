@@ -16,6 +16,9 @@
 namespace reshard {
 namespace {
 
+// A fragment that this many other ranks need is fanned out by a group broadcast.
+constexpr int kFanoutMinReceivers = 3;
+
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -69,6 +72,17 @@ std::string parallel_for(size_t n, int threads, Fn fn) {
     for (auto& th : pool) th.join();
   }
   return first_error;
+}
+
+// Distinct ranks other than the reader that receive a fragment.
+int remote_ranks(const Plan& plan, const Fragment& f) {
+  int n = 0, last = -1;
+  for (uint32_t k = 0; k < f.num_deliveries; ++k) {
+    int r = plan.deliveries[f.first_delivery + k].rank;  // sorted by rank
+    if (r != last && r != f.reader) ++n;
+    last = r;
+  }
+  return n;
 }
 
 }  // namespace
@@ -215,14 +229,15 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       if (n > cap) { p.reset(new uint8_t[n]); cap = n; }
       return p.get();
     }
-  } staging_mem, send_mem, recv_mem;
+  } staging_mem, send_mem, recv_mem, fan_mem;
   for (int w = 0; w < plan.num_waves; ++w) {
     const size_t lo = wave_begin[w], hi = wave_begin[w + 1];
     std::vector<uint64_t> send_counts(W, 0), recv_counts(W, 0);
-    struct Mine { size_t frag; uint8_t* dst; bool direct, verify; int32_t peer; uint64_t off; };
+    struct Mine { size_t frag; uint8_t* dst; bool direct, verify; int32_t peer; uint64_t off; bool fan; };
     std::vector<Mine> mine;
     std::vector<std::pair<size_t, uint64_t>> incoming;  // (fragment, offset within its sender's recv block)
-    uint64_t stage_bytes = 0;
+    std::vector<std::pair<size_t, uint64_t>> fan_in;    // group fan-out fragments this rank receives
+    uint64_t stage_bytes = 0, fan_bytes = 0;
     // Pass 1: counts, and which of my fragments go where.
     for (size_t i = lo; i < hi; ++i) {
       const Fragment& f = plan.fragments[i];
@@ -230,6 +245,24 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       bool remote = false, for_me = false;
       int32_t first_peer = -1;
       uint64_t first_off = 0;
+      // Bytes many ranks need go out as one broadcast inside the group of their receivers (a tree),
+      // not as one send per receiver from the reader.
+      const bool fan = remote_ranks(plan, f) >= kFanoutMinReceivers;
+      if (fan) {
+        bool in = false;
+        for (uint32_t k = 0; k < f.num_deliveries; ++k) in |= plan.deliveries[f.first_delivery + k].rank == me;
+        if (f.reader != me) {
+          if (in) {
+            fan_in.push_back({i, fan_bytes});
+            fan_bytes += f.bytes();
+          }
+          continue;
+        }
+        Mine m{i, nullptr, false, opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides), -1, stage_bytes, true};
+        stage_bytes += f.bytes();
+        mine.push_back(m);
+        continue;
+      }
       for (uint32_t k = 0; k < f.num_deliveries; ++k) {
         int32_t r = plan.deliveries[f.first_delivery + k].rank;
         if (r == me) for_me = true;
@@ -246,7 +279,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         }
       }
       if (f.reader != me) continue;
-      Mine m{i, nullptr, false, false, first_peer, first_off};
+      Mine m{i, nullptr, false, false, first_peer, first_off, false};
       if (!remote && f.num_deliveries == 1 && for_me) {
         const Delivery& dv = plan.deliveries[f.first_delivery];
         // Straight into live memory only when no checksum is to be checked: a corrupted byte must
@@ -329,6 +362,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         const Delivery& dv = plan.deliveries[f.first_delivery + j];
         if (dv.rank == me) {
           copies.push_back({m.dst, m.frag, int32_t(f.first_delivery + j), 0, true});
+        } else if (m.fan) {
+          continue;  // sent by the group broadcast below
         } else if (dv.rank != last) {
           if (!first_remote) copies.push_back({m.dst, m.frag, dv.rank, send_at[dv.rank], false});
           first_remote = false;
@@ -404,7 +439,53 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
            "state is unusable and the trainer must abort: ", serr);
     st.scatter_seconds += seconds_since(ts);
-    st.peak_staging_bytes = std::max<uint64_t>(st.peak_staging_bytes, stage_bytes + total_send + total_recv);
+    // Group fan-out: every rank walks the wave's fan-out fragments in plan order and joins the
+    // broadcasts of the groups it belongs to (same order everywhere, so no cycle can form).
+    auto tf = Clock::now();
+    uint8_t* fanbuf = fan_mem.get(std::max<uint64_t>(fan_bytes, 1));
+    size_t next_in = 0, next_mine = 0;
+    for (size_t i = lo; i < hi; ++i) {
+      const Fragment& f = plan.fragments[i];
+      if (remote_ranks(plan, f) < kFanoutMinReceivers) continue;
+      std::vector<int> group = {f.reader};
+      for (uint32_t k = 0; k < f.num_deliveries; ++k) group.push_back(plan.deliveries[f.first_delivery + k].rank);
+      std::sort(group.begin(), group.end());
+      group.erase(std::unique(group.begin(), group.end()), group.end());
+      if (!std::binary_search(group.begin(), group.end(), me)) continue;
+      uint8_t* data = nullptr;
+      if (f.reader == me) {
+        while (next_mine < mine.size() && mine[next_mine].frag != i) ++next_mine;
+        RESHARD_CHECK(next_mine < mine.size(), "fan-out fragment not staged by its reader");
+        data = mine[next_mine].dst;
+        st.bytes_sent += f.bytes() * uint64_t(remote_ranks(plan, f));
+      } else {
+        while (next_in < fan_in.size() && fan_in[next_in].first != i) ++next_in;
+        RESHARD_CHECK(next_in < fan_in.size(), "fan-out fragment without a receive slot");
+        data = fanbuf + fan_in[next_in].second;
+        st.bytes_received += f.bytes();
+      }
+      try {
+        comm.broadcast(data, f.bytes(), f.reader, group);
+      } catch (const Error& e) {
+        if (!written) throw;
+        fail(ErrorCode::kFailedPrecondition, prefix(comm), "group broadcast of wave ", w, " failed after live tensors "
+             "were partly written; the live state is unusable and the trainer must abort: ", e.what());
+      }
+      if (f.reader == me) continue;  // the reader's own deliveries were scattered from staging
+      Box rel = f.box;
+      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      for (uint32_t j = 0; j < f.num_deliveries; ++j) {
+        const Delivery& dv = plan.deliveries[f.first_delivery + j];
+        if (dv.rank != me) continue;
+        const Buffer& b = target.buffers[dv.buffer];
+        unpack_box(data, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
+                   b.dtype, rel, dv.strides);
+        written = true;
+        wrote(dv.buffer, rel.numel());
+      }
+    }
+    st.exchange_seconds += seconds_since(tf);
+    st.peak_staging_bytes = std::max<uint64_t>(st.peak_staging_bytes, stage_bytes + total_send + total_recv + fan_bytes);
   }
 
 
