@@ -248,11 +248,26 @@ def _rng_blob() -> bytes:
     return pickle.dumps(st)
 
 
-def _restore_rng(blob: bytes):
-    st = pickle.loads(blob)
-    random.setstate(st["random"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
+def _restore_rng(blob: bytes, seed: int, iteration: int, rank: int) -> str:
+    """Restores this rank's RNG from its per-rank blob; returns what was done, for the report."""
+    if blob[:1] == b"\x80":  # written by reshard_save: every generator
+        st = pickle.loads(blob)
+        random.setstate(st["random"])
+        np.random.set_state(st["numpy"])
+        torch.set_rng_state(st["torch"])
+        return "restored (identical layout): python, numpy and torch generators"
+    # A DeepSpeed/Megatron checkpoint: the reader gives the rng_state object as JSON, in which
+    # tensors (torch_rng_state) are references to storages, not bytes. Restore what is plain data.
+    d = json.loads(blob.decode())
+    if isinstance(d, list):
+        d = d[0] if d else {}
+    st = d.get("random_rng_state")
+    _reseed(seed, iteration, rank)
+    if isinstance(st, list) and len(st) == 3:
+        random.setstate((st[0], tuple(st[1]), st[2]))
+        return ("identical layout: python random restored from the checkpoint; numpy and torch generators "
+                "reseeded deterministically (the DeepSpeed per-rank state references tensor storages)")
+    return "identical layout, but the per-rank RNG state is not readable here: reseeded deterministically"
 
 
 def _reseed(seed: int, iteration: int, rank: int) -> int:
@@ -348,6 +363,8 @@ def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Option
         st["step"] = torch.tensor(float(step_value), dtype=dtype)
     glob = json.loads(src_state["json"] or "{}")
     ls = glob.get("loss_scaler") if isinstance(glob, dict) else None
+    if isinstance(ls, dict) and isinstance(ls.get("state"), dict):  # DeepSpeed's LossScaler object
+        ls = ls["state"]
     if isinstance(ls, dict) and "cur_scale" in ls and hasattr(zopt, "loss_scaler"):
         zopt.loss_scaler.cur_scale = ls["cur_scale"]
     sched = getattr(engine, "lr_scheduler", None)
@@ -366,8 +383,7 @@ def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Option
 
     per_rank = report["state"]["per_rank"]
     if per_rank and rank in per_rank:
-        _restore_rng(per_rank[rank])
-        report["rng"] = "restored (identical layout)"
+        report["rng"] = _restore_rng(per_rank[rank], getattr(args, "seed", 0), iteration, rank)
     else:
         seed = _reseed(getattr(args, "seed", 0), iteration, rank)
         report["rng"] = f"reseeded deterministically (seed*1000003 + iteration*7919 + rank; rank 0: {seed})"
