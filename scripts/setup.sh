@@ -50,6 +50,18 @@ if ! "$VPY" -c "import deepspeed, sys; sys.exit(0 if deepspeed.__version__.start
     "deepspeed==$DS_VERSION" || echo "[setup] WARNING: DeepSpeed could not be installed; DeepSpeed-written checkpoints will be skipped"
 fi
 
+# DeepSpeed JIT-compiles its CPU shared-memory all-reduce op in the first process that starts a
+# distributed engine; build it once here, in one process, instead of inside every rank of the
+# first mpirun (where two concurrent compiles on a small machine can run out of memory).
+if "$VPY" -c "import deepspeed" 2>/dev/null; then
+  DS_ACCELERATOR=cpu "$VPY" - <<'PY' >/dev/null 2>&1 || echo "[setup] WARNING: DeepSpeed's CPU comm op did not build here; DeepSpeed runs will build it themselves"
+from deepspeed.accelerator import get_accelerator
+b = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if b is not None:
+    b.load()
+PY
+fi
+
 # Build.
 BUILD_TYPE=${RESHARD_BUILD_TYPE:-Release}
 TORCH_CMAKE=$("$VPY" -c "import torch; print(torch.utils.cmake_prefix_path)")
