@@ -53,6 +53,9 @@ fi
 # DeepSpeed JIT-compiles its CPU shared-memory all-reduce op in the first process that starts a
 # distributed engine; build it once here, in one process, instead of inside every rank of the
 # first mpirun (where two concurrent compiles on a small machine can run out of memory).
+# One build folder per checkout (scripts/test.sh and demo.sh export the same), so that checkouts
+# with different venv paths do not rebuild each other's op in ~/.cache.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
 if "$VPY" -c "import deepspeed" 2>/dev/null; then
   DS_ACCELERATOR=cpu "$VPY" - <<'PY' >/dev/null 2>&1 || echo "[setup] WARNING: DeepSpeed's CPU comm op did not build here; DeepSpeed runs will build it themselves"
 from deepspeed.accelerator import get_accelerator

@@ -9,6 +9,7 @@ bash scripts/setup.sh || { echo "setup failed"; exit 2; }
 export PATH="$ROOT/.venv/bin:$PATH"
 export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
 # DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer (~70 MB) in /dev/shm per rank
 # and run; remove the ones this run made, so repeated runs do not fill the machine's memory.
 SHM_MARK=$(mktemp)
