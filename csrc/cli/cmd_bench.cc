@@ -50,22 +50,6 @@ uint64_t peak_rss_bytes() {
   return uint64_t(ru.ru_maxrss) * 1024;  // Linux: KiB
 }
 
-uint64_t parse_size(const std::string& s, const char* what) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  std::string unit = end ? end : "";
-  double mult = 1;
-  if (unit == "" || unit == "B") mult = 1;
-  else if (unit == "KiB") mult = 1024.0;
-  else if (unit == "MiB") mult = 1024.0 * 1024;
-  else if (unit == "GiB") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") mult = 1e3;
-  else if (unit == "MB") mult = 1e6;
-  else if (unit == "GB") mult = 1e9;
-  else fail(ErrorCode::kInvalidArgument, what, " '", s, "': unknown unit '", unit, "' (B, KiB, MiB, GiB, KB, MB, GB)");
-  if (!(v > 0)) fail(ErrorCode::kInvalidArgument, what, " '", s, "' must be positive");
-  return uint64_t(v * mult);
-}
 
 int default_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 

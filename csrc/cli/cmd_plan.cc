@@ -18,22 +18,6 @@ struct PlanArgs {
   bool json = false, no_dedup = false;
 };
 
-uint64_t parse_bytes(const std::string& s) {
-  if (s.empty()) return uint64_t(1) << 30;
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  std::string unit = end ? end : "";
-  double mult = 1;
-  if (unit == "" || unit == "B") mult = 1;
-  else if (unit == "KiB") mult = 1024.0;
-  else if (unit == "MiB") mult = 1024.0 * 1024;
-  else if (unit == "GiB") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "GB") mult = 1e9;
-  else if (unit == "MB") mult = 1e6;
-  else fail(ErrorCode::kInvalidArgument, "--memory-budget '", s, "': unknown unit '", unit, "' (B, KiB, MiB, GiB, MB, GB)");
-  if (v <= 0) fail(ErrorCode::kInvalidArgument, "--memory-budget '", s, "' must be positive");
-  return uint64_t(v * mult);
-}
 }  // namespace
 
 Command plan_command() {
@@ -52,7 +36,7 @@ Command plan_command() {
   };
   c.run = [a]() {
     PlanOptions po;
-    po.memory_budget = parse_bytes(a->budget);
+    po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
     po.dedup = !a->no_dedup;
     Topology target = Topology::parse(a->target);
     Plan plan;

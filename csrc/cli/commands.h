@@ -26,6 +26,10 @@ Command bench_command();
 
 std::vector<Command> all_commands();
 
+/// Parses a byte size such as "1GiB", "512MiB", "2GB" or "65536" (units B, KiB, MiB, GiB, KB, MB,
+/// GB; GB = 10^9, GiB = 2^30). `what` names the option in errors (kInvalidArgument).
+uint64_t parse_size(const std::string& text, const char* what);
+
 /// Resolves a --model argument: a path, or a name under configs/models/ ("tiny-gpt").
 std::string resolve_model_path(const std::string& model);
 
