@@ -495,88 +495,6 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
   return res;
 }
 
-// Pre-flight of the direct path (the executor's steps 1-2): same plan everywhere, files present
-// and long enough, replica comparisons. Returns the replica report.
-std::vector<std::string> preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
-                                   const std::vector<void*>& buffers, Communicator& comm, const LoadOptions& opt,
-                                   uint64_t* verify_bytes) {
-  const int me = comm.rank(), W = comm.size();
-  const SourceLayout& src = source.source();
-  {
-    std::string h = std::to_string(plan.hash());
-    auto all = comm.all_gather_strings(h);
-    for (int r = 0; r < W; ++r)
-      if (all[r] != h)
-        fail(ErrorCode::kInternal, prefix(comm), "plan hash differs between ranks (rank ", r, " has ", all[r],
-             ", this rank ", h, "): ranks were given different inputs");
-  }
-  ReadFn read = [&](int32_t file, uint64_t off, uint64_t len, void* dst) { source.read(file, off, len, dst); };
-  std::ostringstream problems;
-  std::vector<uint64_t> need_end(src.files.size(), 0);
-  auto note_range = [&](int32_t file, uint64_t base, DType dt, const Box& box, const std::array<int64_t, kMaxDims>& strides) {
-    int64_t span = 1;
-    for (int d = 0; d < box.ndim; ++d) span += (box.len[d] - 1) * strides[d];
-    if (box.numel() == 0) return;
-    need_end[file] = std::max(need_end[file], base + uint64_t(span) * dtype_size(dt));
-  };
-  for (const Fragment& f : plan.fragments)
-    if (f.reader == me) note_range(f.file, f.byte_base, f.src_dtype, f.box, f.src_strides);
-  for (const auto& c : plan.replica_compares)
-    if (c.checker == me) {
-      note_range(c.authoritative.file, c.authoritative.byte_base, c.authoritative.dtype, c.box, c.authoritative.strides);
-      note_range(c.replica.file, c.replica.byte_base, c.replica.dtype, c.box, c.replica.strides);
-    }
-  int nprob = 0;
-  for (size_t f = 0; f < need_end.size(); ++f) {
-    if (need_end[f] == 0) continue;
-    try {
-      uint64_t size = source.file_size(int32_t(f));
-      if (size < need_end[f] && nprob++ < 4)
-        problems << (nprob > 1 ? "; " : "") << "file " << src.files[f] << " has " << size
-                 << " bytes but the plan reads up to byte " << need_end[f] << " (truncated?)";
-    } catch (const Error& e) {
-      if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << e.what();
-    }
-  }
-  for (size_t b = 0; b < target.buffers.size(); ++b)
-    if (target.buffers[b].rank == me && buffers[b] == nullptr && target.buffers[b].numel > 0)
-      if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << "no device memory given for target buffer " << target.buffers[b].name;
-  agree_or_throw(comm, nprob ? prefix(comm) + problems.str() : "", ErrorCode::kDataLoss, "pre-flight check", false);
-
-  std::ostringstream diffs;
-  std::string err;
-  int ndiff = 0;
-  for (const auto& c : plan.replica_compares) {
-    if (c.checker != me) continue;
-    try {
-      double m = replica_max_abs_diff(c, read);
-      *verify_bytes += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
-      if (m > opt.plan.replica_atol && ndiff++ < 6)
-        diffs << (ndiff > 1 ? "; " : "") << c.tensor << " (" << state_kind_name(c.state) << ") " << c.box.to_string()
-              << " in " << src.files[c.replica.file] << ": max |diff| " << m;
-    } catch (const Error& e) {
-      if (err.empty()) err = prefix(comm) + e.what();
-    }
-  }
-  agree_or_throw(comm, err, ErrorCode::kDataLoss, "replica comparison", false);
-  std::string dmsg = ndiff ? prefix(comm) + diffs.str() : "";
-  std::vector<std::string> report;
-  std::vector<std::string> all = comm.all_gather_strings(dmsg);
-  if (opt.plan.replica_policy == ReplicaPolicy::kError) {
-    std::string msg;
-    for (const auto& s : all)
-      if (!s.empty()) msg += (msg.empty() ? "" : "; ") + s;
-    if (!msg.empty())
-      fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
-           " (replica policy 'error', atol ", opt.plan.replica_atol,
-           "; choose policy 'first' or a tolerance to load anyway); no live tensor was written");
-  } else {
-    for (const auto& s : all)
-      if (!s.empty()) report.push_back(s);
-  }
-  return report;
-}
-
 }  // namespace
 
 LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, const std::vector<void*>& dev,
@@ -627,7 +545,8 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
       }
     }
     cs.source = source_mode;
-    st.replica_report = preflight(plan, target, ckpt, dev, comm, options, &st.verify_bytes_read);
+    st.replica_report = run_preflight(plan, target, ckpt, dev, comm, options.plan.replica_policy,
+                                      options.plan.replica_atol, &st.verify_bytes_read);
     const int threads = co.io_threads > 0 ? co.io_threads : 16;
     const int slots = std::max(1, co.slots_per_thread);
     const uint64_t chunk = std::max<uint64_t>(co.chunk_bytes, 1 << 20);

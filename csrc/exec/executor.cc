@@ -87,18 +87,14 @@ int remote_ranks(const Plan& plan, const Fragment& f) {
 
 }  // namespace
 
-ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointReader& source,
-                       const std::vector<void*>& buffers, Communicator& comm, const ExecOptions& opt) {
-  const auto t0 = Clock::now();
-  ExecStats st;
+std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
+                                       const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
+                                       double atol, uint64_t* verify_bytes_read) {
   const int me = comm.rank();
   const int W = comm.size();
-  if (W != plan.world_size)
-    fail(ErrorCode::kInvalidArgument, prefix(comm), "the plan is for ", plan.world_size, " ranks but the job has ", W);
-  RESHARD_CHECK(buffers.size() == target.buffers.size(), "one pointer slot per target buffer");
   const SourceLayout& src = source.source();
   ReadFn read = [&](int32_t file, uint64_t off, uint64_t len, void* dst) { source.read(file, off, len, dst); };
-
+  std::vector<std::string> report;
   // 1. Same plan everywhere.
   {
     std::string h = std::to_string(plan.hash());
@@ -154,8 +150,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       if (c.checker != me) continue;
       try {
         double m = replica_max_abs_diff(c, read);
-        st.verify_bytes_read += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
-        if (m > opt.replica_atol) {
+        *verify_bytes_read += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
+        if (m > atol) {
           if (ndiff++ < 6) diffs << (ndiff > 1 ? "; " : "") << c.tensor << " (" << state_kind_name(c.state) << ") "
                                  << c.box.to_string() << " in " << src.files[c.replica.file] << ": max |diff| " << m;
         }
@@ -165,20 +161,38 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     }
     agree_or_throw(comm, err, ErrorCode::kDataLoss, "replica comparison", false);
     std::string dmsg = ndiff ? prefix(comm) + diffs.str() : "";
-    if (opt.replica_policy == ReplicaPolicy::kError) {
+    if (policy == ReplicaPolicy::kError) {
       std::vector<std::string> all = comm.all_gather_strings(dmsg);
       std::string msg;
       for (const auto& s : all)
         if (!s.empty()) msg += (msg.empty() ? "" : "; ") + s;
       if (!msg.empty())
         fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
-             " (replica policy 'error', atol ", opt.replica_atol,
+             " (replica policy 'error', atol ", atol,
              "; choose policy 'first' or a tolerance to load anyway); no live tensor was written");
     } else {
       for (const auto& s : comm.all_gather_strings(dmsg))
-        if (!s.empty()) st.replica_report.push_back(s);
+        if (!s.empty()) report.push_back(s);
     }
   }
+
+  return report;
+}
+
+ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointReader& source,
+                       const std::vector<void*>& buffers, Communicator& comm, const ExecOptions& opt) {
+  const auto t0 = Clock::now();
+  ExecStats st;
+  const int me = comm.rank();
+  const int W = comm.size();
+  if (W != plan.world_size)
+    fail(ErrorCode::kInvalidArgument, prefix(comm), "the plan is for ", plan.world_size, " ranks but the job has ", W);
+  RESHARD_CHECK(buffers.size() == target.buffers.size(), "one pointer slot per target buffer");
+  ReadFn read = [&](int32_t file, uint64_t off, uint64_t len, void* dst) { source.read(file, off, len, dst); };
+
+  // 1-2. Same plan everywhere; pre-flight of files and buffers; replica comparisons.
+  st.replica_report = run_preflight(plan, target, source, buffers, comm, opt.replica_policy, opt.replica_atol,
+                                    &st.verify_bytes_read);
 
   // 3. Waves. Fragments are sorted by wave; find each wave's range once.
   std::vector<size_t> wave_begin(plan.num_waves + 1, plan.fragments.size());

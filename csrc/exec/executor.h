@@ -51,6 +51,14 @@ struct ExecStats {
   std::vector<std::string> replica_report;  // "tensor (state): max |diff| x" for differing replicas
 };
 
+/// Steps 1-2 alone (plan-hash agreement, pre-flight of the files and byte ranges this rank reads
+/// and of its buffers, replica comparisons), collective; every executor runs them before its first
+/// write. Throws as described above; returns the replica report (policies other than error) and
+/// adds the comparison reads to *verify_bytes_read.
+std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
+                                       const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
+                                       double atol, uint64_t* verify_bytes_read);
+
 /// Executes this rank's part of `plan`. `buffers[i]` points at target layout buffer i when that
 /// buffer belongs to comm.rank(), else nullptr. Errors: see the header comment.
 ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointReader& source,
