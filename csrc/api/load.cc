@@ -2,6 +2,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "api/report.h"
 #include "exec/executor.h"
 #include "reshard/error.h"
 #include "reshard/reshard.h"
@@ -41,11 +42,53 @@ std::string plan_summary_json(const Plan& p, double plan_seconds) {
   return j.dump(2);
 }
 
+LoadReport assemble_load_report(const Plan& plan, const Layout& target, const CheckpointReader& ckpt,
+                                const ExecStats& st, uint64_t peak_staging_bytes, ReplicaPolicy policy,
+                                Communicator& comm) {
+  LoadReport r;
+  r.change = plan.change;
+  r.source_layout = ckpt.source().layout.topo.to_string();
+  r.target_layout = target.topo.to_string();
+  r.writer = ckpt.writer();
+  r.path = ckpt.path();
+  r.bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_read)));
+  r.bytes_exchanged = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_sent)));
+  r.verify_bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.verify_bytes_read)));
+  r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
+  r.peak_staging_bytes = uint64_t(comm.all_reduce_max(int64_t(peak_staging_bytes)));
+  r.rank_bytes_read = st.bytes_read;
+  r.rank_bytes_sent = st.bytes_sent;
+  r.rank_bytes_received = st.bytes_received;
+  r.read_seconds = st.read_seconds;
+  r.exchange_seconds = st.exchange_seconds;
+  r.scatter_seconds = st.scatter_seconds;
+  r.bytes_needed = plan.bytes_needed;
+  r.target_bytes = plan.target_bytes;
+  r.waves = plan.num_waves;
+  r.policies = plan.notes;
+  r.policies.push_back(std::string("replica policy: ") + replica_policy_name(policy));
+  r.replica_report = st.replica_report;
+  for (const auto& s : ckpt.notes()) r.policies.push_back(s);
+  r.state = ckpt.state();
+  if (!(ckpt.source().layout.topo == target.topo)) {
+    if (!r.state.per_rank.empty())
+      r.not_carried.push_back("per-rank state (RNG, sampler) of " + std::to_string(r.state.per_rank.size()) +
+                              " source ranks: the layout changed (" + plan.change +
+                              "), so per-rank streams cannot be matched to new ranks; reseed deterministically");
+    r.state.per_rank.clear();
+  }
+  return r;
+}
+
+void finish_load_report(LoadReport& r, double local_seconds, Communicator& comm) {
+  r.seconds = double(comm.all_reduce_max(int64_t(local_seconds * 1e6))) / 1e6;
+  r.gbps = r.seconds > 0 ? double(r.target_bytes) / r.seconds / 1e9 : 0;
+}
+
 LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::vector<void*>& buffers,
                 Communicator& comm, const LoadOptions& options) {
   auto t0 = Clock::now();
   LoadReport r;
-  const SourceLayout& src = ckpt.source();
   if (target.topo.world_size() != comm.size())
     fail(ErrorCode::kInvalidArgument, "[rank ", comm.rank(), "/", comm.size(), "] target layout ", target.topo.to_string(),
          " has world size ", target.topo.world_size(), " but the job has ", comm.size(), " ranks");
@@ -63,40 +106,11 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
     fail(ErrorCode::kUnsupported, "replica policy 'average' is not implemented for loads yet; use 'error' or 'first'");
   ExecStats st = execute_plan(plan, target, ckpt, buffers, comm, eo);
 
-  r.change = plan.change;
-  r.source_layout = src.layout.topo.to_string();
-  r.target_layout = target.topo.to_string();
-  r.writer = ckpt.writer();
-  r.path = ckpt.path();
-  r.bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_read)));
-  r.bytes_exchanged = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_sent)));
-  r.verify_bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.verify_bytes_read)));
-  r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
-  r.peak_staging_bytes = uint64_t(comm.all_reduce_max(int64_t(st.peak_staging_bytes)));
-  r.rank_bytes_read = st.bytes_read;
-  r.rank_bytes_sent = st.bytes_sent;
-  r.rank_bytes_received = st.bytes_received;
-  r.read_seconds = st.read_seconds;
-  r.exchange_seconds = st.exchange_seconds;
-  r.scatter_seconds = st.scatter_seconds;
-  r.bytes_needed = plan.bytes_needed;
-  r.target_bytes = plan.target_bytes;
-  r.waves = plan.num_waves;
-  r.policies = plan.notes;
-  r.policies.push_back(std::string("replica policy: ") + replica_policy_name(options.plan.replica_policy));
-  r.replica_report = st.replica_report;
-  for (const auto& s : ckpt.notes()) r.policies.push_back(s);
-  r.state = ckpt.state();
-  if (!(src.layout.topo == target.topo)) {
-    if (!r.state.per_rank.empty())
-      r.not_carried.push_back("per-rank state (RNG, sampler) of " + std::to_string(r.state.per_rank.size()) +
-                              " source ranks: the layout changed (" + plan.change +
-                              "), so per-rank streams cannot be matched to new ranks; reseed deterministically");
-    r.state.per_rank.clear();
-  }
-  double secs = since(t0);
-  r.seconds = double(comm.all_reduce_max(int64_t(secs * 1e6))) / 1e6;
-  r.gbps = r.seconds > 0 ? double(r.target_bytes) / r.seconds / 1e9 : 0;
+  LoadReport filled = assemble_load_report(plan, target, ckpt, st, st.peak_staging_bytes,
+                                          options.plan.replica_policy, comm);
+  filled.plan_seconds = r.plan_seconds;
+  r = std::move(filled);
+  finish_load_report(r, since(t0), comm);
   return r;
 }
 

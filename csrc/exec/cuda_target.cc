@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "exec/cuda_target.h"
+#include "api/report.h"
 #include "exec/executor.h"
 #include "reshard/cuda.h"
 #include "reshard/error.h"
@@ -629,35 +630,14 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     cleanup();
   }
 
-  r.change = plan.change;
-  r.source_layout = ckpt.source().layout.topo.to_string();
-  r.target_layout = target.topo.to_string();
-  r.writer = ckpt.writer();
-  r.path = ckpt.path();
-  r.bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_read)));
-  r.bytes_exchanged = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_sent)));
-  r.verify_bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.verify_bytes_read)));
-  r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
-  r.peak_staging_bytes = uint64_t(comm.all_reduce_max(int64_t(direct ? cs.pinned_bytes : st.peak_staging_bytes)));
-  r.bytes_needed = plan.bytes_needed;
-  r.target_bytes = plan.target_bytes;
-  r.waves = plan.num_waves;
-  for (const auto& n : plan.notes) r.policies.push_back(n);
-  r.policies.push_back(std::string("replica policy: ") + replica_policy_name(options.plan.replica_policy));
-  r.policies.push_back("CUDA: " + cs.path + " path, source " + cs.source + ", device " + std::to_string(device));
-  r.replica_report = st.replica_report;
-  for (const auto& s : ckpt.notes()) r.policies.push_back(s);
-  r.state = ckpt.state();
-  if (!(ckpt.source().layout.topo == target.topo)) {
-    if (!r.state.per_rank.empty())
-      r.not_carried.push_back("per-rank state (RNG, sampler) of " + std::to_string(r.state.per_rank.size()) +
-                              " source ranks: the layout changed (" + plan.change +
-                              "), so per-rank streams cannot be matched to new ranks; reseed deterministically");
-    r.state.per_rank.clear();
+  {
+    const double plan_seconds = r.plan_seconds;
+    r = assemble_load_report(plan, target, ckpt, st, direct ? cs.pinned_bytes : st.peak_staging_bytes,
+                             options.plan.replica_policy, comm);
+    r.plan_seconds = plan_seconds;
   }
-  double secs = since(t0);
-  r.seconds = double(comm.all_reduce_max(int64_t(secs * 1e6))) / 1e6;
-  r.gbps = r.seconds > 0 ? double(r.target_bytes) / r.seconds / 1e9 : 0;
+  r.policies.push_back("CUDA: " + cs.path + " path, source " + cs.source + ", device " + std::to_string(device));
+  finish_load_report(r, since(t0), comm);
   if (stats_out) *stats_out = cs;
   return r;
 }
