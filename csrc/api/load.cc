@@ -102,8 +102,6 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   if (options.verify == "off") eo.verify = VerifyMode::kOff;
   else if (options.verify == "free") eo.verify = VerifyMode::kFree;
   else fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off or free");
-  if (options.plan.replica_policy == ReplicaPolicy::kAverage)
-    fail(ErrorCode::kUnsupported, "replica policy 'average' is not implemented for loads yet; use 'error' or 'first'");
   ExecStats st = execute_plan(plan, target, ckpt, buffers, comm, eo);
 
   LoadReport filled = assemble_load_report(plan, target, ckpt, st, st.peak_staging_bytes,

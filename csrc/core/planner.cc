@@ -257,6 +257,8 @@ uint64_t Plan::hash() const {
   }
   h = mix(h, fills.size());
   h = mix(h, replica_compares.size());
+  h = mix(h, replica_sources.size());
+  for (const auto& r : replica_sources) h = mix(mix(h, uint64_t(r.file)), r.byte_base);
   return h;
 }
 
@@ -503,10 +505,22 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   std::vector<int32_t> tgt_array_of_src(S.arrays.size(), -1);
   for (size_t i = 0; i < target.arrays.size(); ++i)
     if (src_of[i] >= 0) tgt_array_of_src[src_of[i]] = int32_t(i);
-  auto array_of_src_piece = [&](int32_t id) {
-    if (size_t(id) >= own_base) return tgt_array_of_src[own_array[id - own_base]];
-    size_t a = size_t(std::upper_bound(auth_base.begin(), auth_base.end(), size_t(id)) - auth_base.begin()) - 1;
-    return tgt_array_of_src[a];
+  auto src_array_of_piece = [&](int32_t id) -> int32_t {
+    if (size_t(id) >= own_base) return own_array[id - own_base];
+    return int32_t(std::upper_bound(auth_base.begin(), auth_base.end(), size_t(id)) - auth_base.begin()) - 1;
+  };
+  auto array_of_src_piece = [&](int32_t id) { return tgt_array_of_src[src_array_of_piece(id)]; };
+  // Replica policy average: the other saved copies of a box read from source piece `id`.
+  const bool average = opt.replica_policy == ReplicaPolicy::kAverage;
+  auto for_each_replica = [&](int32_t id, const Box& box, const std::function<void(const SrcPiece&, const Box&)>& fn) {
+    const SrcPiece& sp = src_piece(id);
+    if (!dtype_is_float(sp.dtype)) return;  // integer copies are not averaged: the first one loads
+    const int32_t sa = src_array_of_piece(id);
+    const auto& cp = si.copies[sa];
+    si.copies_index[sa].query(box, [&](int32_t j) -> const Box& { return cp[j].box; }, [&](int32_t j, const Box& x) {
+      if (cp[j].order == sp.order) return;  // the copy being read
+      fn(cp[j], x);
+    });
   };
   uint64_t bytes_needed = 0;
   for (size_t i = 0; i < needs.size();) {
@@ -601,7 +615,11 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     std::vector<int32_t> rk;
     for (const auto& d : p.dst) rk.push_back(d.rank);
     std::sort(rk.begin(), rk.end());
-    const uint64_t copies = uint64_t(std::unique(rk.begin(), rk.end()) - rk.begin()) + 1;
+    uint64_t copies = uint64_t(std::unique(rk.begin(), rk.end()) - rk.begin()) + 1;
+    // Averaging replicas also holds one replica read and a double accumulator (3 x fp32 bytes).
+    bool has_replicas = false;
+    if (average) for_each_replica(p.src, p.box, [&](const SrcPiece&, const Box&) { has_replicas = true; });
+    if (has_replicas) copies += 3;
     const uint64_t limit = std::max<uint64_t>(opt.memory_budget / copies, 1);
     if (bytes <= limit || p.box.numel() <= 1) {
       cut.push_back(std::move(p));
@@ -651,6 +669,15 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     f.src_strides = sp.strides;
     f.src_dtype = sp.dtype;
     const uint64_t bytes = f.bytes();
+    uint64_t replica_bytes = 0;
+    if (average) {
+      f.first_replica = uint32_t(plan.replica_sources.size());
+      for_each_replica(p.src, p.box, [&](const SrcPiece& c, const Box& x) {
+        plan.replica_sources.push_back({x, c.file, sub_byte_base(c, x), c.strides, c.dtype});
+        replica_bytes += plan.replica_sources.back().bytes();
+      });
+      f.num_replicas = uint32_t(plan.replica_sources.size()) - f.first_replica;
+    }
     int reader = p.dst.front().rank;
     for (const auto& d : p.dst)
       if (read_load[d.rank] < read_load[reader]) reader = d.rank;
@@ -664,17 +691,19 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     for (;; ++w) {
       if (w == int(wave_use.size())) wave_use.emplace_back(W, 0);
       auto& u = wave_use[w];
-      const uint64_t reader_cost = bytes * (1 + remote.size());  // staging + one send copy per receiver
+      // staging + one send copy per receiver (+ replica read and accumulator when averaging)
+      const uint64_t reader_cost = bytes * (1 + remote.size() + (f.num_replicas ? 3 : 0));
       bool ok = u[reader] + reader_cost <= opt.memory_budget || u[reader] == 0;
       for (int32_t r : remote) ok = ok && (u[r] + bytes <= opt.memory_budget || u[r] == 0);
       if (ok) break;
     }
     auto& u = wave_use[w];
-    u[reader] += bytes * (1 + remote.size());
+    u[reader] += bytes * (1 + remote.size() + (f.num_replicas ? 3 : 0));
     for (int32_t r : remote) u[r] += bytes;
     f.wave = w;
-    plan.ranks[reader].bytes_read += bytes;
-    plan.bytes_to_read += bytes;
+    plan.ranks[reader].bytes_read += bytes + replica_bytes;
+    plan.bytes_to_read += bytes + replica_bytes;
+    read_load[reader] += replica_bytes;
     std::vector<int32_t> seen;
     for (const auto& d : p.dst) {
       plan.target_bytes += uint64_t(f.box.numel()) * dtype_size(target.buffers[d.buffer].dtype);

@@ -37,6 +37,46 @@ double replica_max_abs_diff(const ReplicaCompare& c, const ReadFn& read) {
   return m;
 }
 
+uint64_t average_replicas(const Plan& plan, const Fragment& f, const ReadFn& read, void* packed) {
+  if (f.num_replicas == 0) return 0;
+  const int64_t n = f.box.numel();
+  std::vector<double> sum(size_t(n), 0.0);
+  std::vector<uint32_t> count(size_t(n), 1);
+  convert_elements(packed, f.src_dtype, sum.data(), DType::F64, size_t(n));
+  // Row-major strides of the fragment's packed box, to place each replica's sub-box in it.
+  std::array<int64_t, kMaxDims> packed_strides{};
+  int64_t s = 1;
+  for (int d = f.box.ndim - 1; d >= 0; --d) {
+    packed_strides[d] = s;
+    s *= f.box.len[d];
+  }
+  uint64_t bytes = 0;
+  std::vector<uint8_t> raw;
+  std::vector<double> vals;
+  for (uint32_t k = 0; k < f.num_replicas; ++k) {
+    const ReplicaSource& r = plan.replica_sources[f.first_replica + k];
+    const int64_t m = r.box.numel();
+    Box rel = r.box;
+    for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+    raw.resize(size_t(m) * dtype_size(r.dtype));
+    read_box(r.file, r.byte_base, r.dtype, rel, r.strides, read, raw.data());
+    bytes += r.bytes();
+    vals.resize(size_t(m));
+    convert_elements(raw.data(), r.dtype, vals.data(), DType::F64, size_t(m));
+    int64_t origin = 0;
+    for (int d = 0; d < f.box.ndim; ++d) origin += (r.box.off[d] - f.box.off[d]) * packed_strides[d];
+    for_each_run(rel, packed_strides, [&](int64_t off, int64_t cnt, int64_t pk) {
+      for (int64_t i = 0; i < cnt; ++i) {
+        sum[size_t(origin + off + i)] += vals[size_t(pk + i)];
+        ++count[size_t(origin + off + i)];
+      }
+    });
+  }
+  for (int64_t i = 0; i < n; ++i) sum[size_t(i)] /= double(count[size_t(i)]);
+  convert_elements(sum.data(), DType::F64, packed, f.src_dtype, size_t(n));
+  return bytes;
+}
+
 std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target, const ReadFn& read,
                                          const std::vector<void*>& bufs, ReplicaPolicy policy, double atol) {
   RESHARD_CHECK(bufs.size() == target.buffers.size(), "one pointer per target buffer");
@@ -55,7 +95,7 @@ std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target,
   if (nbad > 0 && policy == ReplicaPolicy::kError) {
     fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint in ", nbad,
          " region(s): ", bad.str(), " (replica policy 'error', atol ", atol,
-         "; choose policy 'first' or a tolerance to load anyway); nothing was written");
+         "; choose policy 'first' or 'average', or a tolerance, to load anyway); nothing was written");
   }
   std::vector<uint8_t> packed;
   for (const Fragment& f : plan.fragments) {
@@ -63,6 +103,7 @@ std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target,
     for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
     packed.resize(f.bytes());
     read_box(f.file, f.byte_base, f.src_dtype, rel, f.src_strides, read, packed.data());
+    average_replicas(plan, f, read, packed.data());
     for (uint32_t k = 0; k < f.num_deliveries; ++k) {
       const Delivery& d = plan.deliveries[f.first_delivery + k];
       const Buffer& b = target.buffers[d.buffer];

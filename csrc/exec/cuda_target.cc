@@ -511,8 +511,6 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
   RESHARD_CHECK(dev.size() == target.buffers.size(), "one pointer slot per target buffer");
   if (options.verify != "off" && options.verify != "free")
     fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off or free");
-  if (options.plan.replica_policy == ReplicaPolicy::kAverage)
-    fail(ErrorCode::kUnsupported, "replica policy 'average' is not implemented for loads yet; use 'error' or 'first'");
   std::string source_mode = co.source == "auto" ? "pread" : co.source;
   if (source_mode != "pread" && source_mode != "mmap")
     fail(ErrorCode::kInvalidArgument, "CudaLoadOptions::source='", co.source, "' must be auto, pread or mmap");
@@ -533,7 +531,9 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     }
     if (crosses) break;
   }
-  const bool direct = !co.force_host_path && comm.all_reduce_max(crosses) == 0;
+  // Averaging replicas happens in the host executor's read step: plans with replica sources take
+  // the host path (the same decision on every rank: the plan is the same everywhere).
+  const bool direct = !co.force_host_path && plan.replica_sources.empty() && comm.all_reduce_max(crosses) == 0;
 
   ExecStats st;
   if (direct) {

@@ -169,7 +169,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       if (!msg.empty())
         fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
              " (replica policy 'error', atol ", atol,
-             "; choose policy 'first' or a tolerance to load anyway); no live tensor was written");
+             "; choose policy 'first' or 'average', or a tolerance, to load anyway); no live tensor was written");
     } else {
       for (const auto& s : comm.all_gather_strings(dmsg))
         if (!s.empty()) report.push_back(s);
@@ -334,7 +334,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     for (const Mine& m : mine) any_direct |= m.direct;
     // Read (+ verify) on the pool.
     auto tr = Clock::now();
-    std::atomic<uint64_t> nverified{0};
+    std::atomic<uint64_t> nverified{0}, replica_bytes{0};
     std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
       const Mine& m = mine[k];
       const Fragment& f = plan.fragments[m.frag];
@@ -350,9 +350,21 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
         nverified.fetch_add(1);
       }
+      if (f.num_replicas > 0) {
+        // Replica policy average: the other saved copies are read (and their checksums checked)
+        // and averaged into this box before it goes anywhere.
+        ReadFn checked = [&](int32_t file, uint64_t off, uint64_t len, void* dst) {
+          source.read(file, off, len, dst);
+          if (opt.verify == VerifyMode::kOff) return;
+          std::string bad = source.verify_range(file, off, len, dst);
+          if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
+        };
+        replica_bytes.fetch_add(average_replicas(plan, f, checked, m.dst));
+      }
     });
     st.read_seconds += seconds_since(tr);
-    st.bytes_read += [&] { uint64_t n = 0; for (const Mine& m : mine) n += plan.fragments[m.frag].bytes(); return n; }();
+    st.bytes_read += replica_bytes.load() +
+                     [&] { uint64_t n = 0; for (const Mine& m : mine) n += plan.fragments[m.frag].bytes(); return n; }();
     st.checksums_verified += nverified.load();
     agree_or_throw(comm, err.empty() ? "" : prefix(comm) + err, ErrorCode::kDataLoss,
                    "reading wave " + std::to_string(w), written || any_direct);

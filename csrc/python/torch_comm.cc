@@ -23,7 +23,9 @@ TorchCommunicator::~TorchCommunicator() {
 }
 
 void TorchCommunicator::rethrow(const char* what, const std::exception& e) const {
-  fail(ErrorCode::kInternal, "[rank ", rank_, "/", size_, "] ", name_, " ", what, " failed: ", e.what());
+  // A collective that raised means a peer died, timed out or disagreed: the job's state, not a bug
+  // inside reshard (the MPI communicator reports the same situations as kFailedPrecondition).
+  fail(ErrorCode::kFailedPrecondition, "[rank ", rank_, "/", size_, "] ", name_, " ", what, " failed: ", e.what());
 }
 
 namespace {

@@ -34,6 +34,10 @@ ReplicaPolicy replica_policy_from_name(const std::string& s);
 struct PlanOptions {
   uint64_t memory_budget = uint64_t(1) << 30;  // bytes per rank per wave (staging + receive)
   bool dedup = true;                           // read each source byte once and fan it out
+  /// kError: copies that differ by more than replica_atol stop the load before any write.
+  /// kFirst: load the authoritative copy (lowest (pp, tp, dp) source rank), report differences.
+  /// kAverage: load the element-wise mean of every saved copy (fragments carry ReplicaSources),
+  /// report differences.
   ReplicaPolicy replica_policy = ReplicaPolicy::kError;
   double replica_atol = 0.0;                   // tolerance for replica comparison (0 = exact)
   bool compare_replicas = true;                // read replicas to compare them (counted apart)
@@ -68,7 +72,22 @@ struct Fragment {
   int32_t wave = 0;
   uint32_t first_delivery = 0;
   uint32_t num_deliveries = 0;
+  /// Replica policy kAverage only: Plan::replica_sources[first_replica, +num_replicas) are the
+  /// other saved copies of (parts of) this box; the reader replaces each element by the mean over
+  /// every copy holding it before delivering (see average_replicas in simulate.h).
+  uint32_t first_replica = 0;
+  uint32_t num_replicas = 0;
   uint64_t bytes() const { return uint64_t(box.numel()) * dtype_size(src_dtype); }
+};
+
+/// Another saved copy of part of a fragment's box (replica policy kAverage).
+struct ReplicaSource {
+  Box box;                 // logical box (target array coordinates), inside its fragment's box
+  int32_t file = 0;
+  uint64_t byte_base = 0;  // byte offset in the file of the box origin
+  std::array<int64_t, kMaxDims> strides{};  // in elements
+  DType dtype = DType::F32;
+  uint64_t bytes() const { return uint64_t(box.numel()) * dtype_size(dtype); }
 };
 
 /// Target elements that no source holds and that are zero-filled: vocab padding rows only the
@@ -97,7 +116,7 @@ struct ReplicaCompare {
 };
 
 struct RankStats {
-  uint64_t bytes_read = 0;      // by this rank, for the load itself
+  uint64_t bytes_read = 0;      // by this rank, for the load itself (incl. replica copies averaged)
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   uint64_t peak_staging = 0;    // max over waves of staging + receive bytes
@@ -112,10 +131,11 @@ struct Plan {
   std::vector<Delivery> deliveries;
   std::vector<Fill> fills;
   std::vector<ReplicaCompare> replica_compares;
+  std::vector<ReplicaSource> replica_sources;  // policy kAverage: indexed by Fragment::first_replica
   int num_waves = 0;
   std::vector<RankStats> ranks;
   std::vector<std::string> notes;  // policies applied, rows dropped, weights from master, ...
-  uint64_t bytes_to_read = 0;      // all ranks, load reads
+  uint64_t bytes_to_read = 0;      // all ranks, load reads (replica copies averaged included)
   uint64_t bytes_needed = 0;       // distinct source bytes the target needs
   uint64_t bytes_to_exchange = 0;  // all ranks, bytes sent to another rank
   uint64_t target_bytes = 0;       // bytes of target state written

@@ -31,6 +31,16 @@ std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target,
 /// Max |a - b| over a packed box read from two replica locations (values converted to double).
 double replica_max_abs_diff(const ReplicaCompare& c, const ReadFn& read);
 
+/// Replica policy kAverage: replaces the packed box of fragment `f` (row-major, dtype f.src_dtype,
+/// already read into `packed`) by the element-wise mean over its own copy and every
+/// Plan::replica_sources entry of the fragment holding that element (float dtypes only; the
+/// planner gives integer arrays no replica sources). The sum is taken in double and rounded to
+/// f.src_dtype (16-bit types via fp32, as everywhere in reshard), so copies that agree give back
+/// exactly the same bits. Returns
+/// the bytes read for the replicas. Errors: whatever `read` throws (nothing in `packed` changes
+/// before every replica has been read).
+uint64_t average_replicas(const Plan& plan, const Fragment& f, const ReadFn& read, void* packed);
+
 /// Reads a strided source box into a packed row-major buffer of its source dtype, issuing one
 /// read per contiguous run (runs adjacent in the file are merged by for_each_run).
 void read_box(int32_t file, uint64_t byte_base, DType dtype, const Box& box,

@@ -77,11 +77,13 @@ struct LoadCase {
   std::string src, dst;
 };
 
-void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool dedup) {
+void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool dedup,
+              ReplicaPolicy policy = ReplicaPolicy::kError) {
   Communicator& comm = world();
   const int me = comm.rank();
   Topology src = Topology::parse(c.src), dst = Topology::parse(c.dst);
-  SCOPED_TRACE(c.model.name + " " + c.src + " -> " + c.dst + (dedup ? "" : " (no dedup)"));
+  SCOPED_TRACE(c.model.name + " " + c.src + " -> " + c.dst + (dedup ? "" : " (no dedup)") + " replicas " +
+               replica_policy_name(policy));
   const std::string root = dir + "/" + std::to_string(seed);
   if (me == 0) synth_checkpoint(root, c.model, src, seed);
   comm.barrier();
@@ -96,6 +98,7 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
     }
   LoadOptions lo;
   lo.plan.dedup = dedup;
+  lo.plan.replica_policy = policy;     // synth replicas agree: every policy loads the same bits
   lo.plan.memory_budget = 256 * 1024;  // several waves even for a tiny model
   LoadReport r = load(*ckpt, target, ptrs, comm, lo);
   EXPECT_EQ(r.state.step, int64_t(1 + seed % 1000));
@@ -139,8 +142,11 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
   EXPECT_EQ(r.rank_bytes_received, plan.ranks[me].bytes_received);
   EXPECT_EQ(r.bytes_read, plan.bytes_to_read);
   EXPECT_EQ(r.bytes_exchanged, plan.bytes_to_exchange);
+  uint64_t replica_bytes = 0;
+  for (const ReplicaSource& rs : plan.replica_sources) replica_bytes += rs.bytes();
+  if (policy != ReplicaPolicy::kAverage) EXPECT_EQ(replica_bytes, 0u);
   if (dedup) {
-    EXPECT_EQ(plan.bytes_to_read, plan.bytes_needed);
+    EXPECT_EQ(plan.bytes_to_read, plan.bytes_needed + replica_bytes);
   } else {
     EXPECT_EQ(plan.bytes_to_exchange, 0u);
   }
@@ -182,7 +188,7 @@ TEST(MpiLoad, SynthCheckpointsLoadBitwiseUnderEveryLayout) {
   int n = 0;
   for (const auto& c : cases) {
     uint64_t s = rng() % 100000;
-    run_case(c, s, dir, /*dedup=*/n % 3 != 2);
+    run_case(c, s, dir, /*dedup=*/n % 3 != 2, n % 4 == 1 ? ReplicaPolicy::kAverage : ReplicaPolicy::kError);
     ++n;
     if (::testing::Test::HasFailure()) break;
   }

@@ -362,12 +362,15 @@ def test_replicas_that_differ_policies(ck):
         reshard.load(c, target, live, comm=reshard.local_communicator())
     assert tensor in str(e.value) and "max |diff|" in str(e.value), str(e.value)
     assert untouched(live)
-    with pytest.raises(reshard.Unsupported) as e:
-        reshard.load(c, target, live, comm=reshard.local_communicator(), policies={"replicas": "average"})
-    assert "average" in str(e.value)
-    assert untouched(live)
     rep = reshard.load(c, target, live, comm=reshard.local_communicator(), policies={"replicas": "first"})
     assert any(tensor in s and "max |diff|" in s for s in rep["replica_report"]), rep["replica_report"]
+    first = {k: v.clone() for k, v in live.items()}
+    rep = reshard.load(c, target, live, comm=reshard.local_communicator(), policies={"replicas": "average"})
+    assert any(tensor in s and "max |diff|" in s for s in rep["replica_report"]), rep["replica_report"]
+    # The copies differ in one element by one low bit: only that tensor can change, in one element.
+    for k in live:
+        diff = (live[k].view(-1) != first[k].view(-1)).sum().item()
+        assert diff <= (1 if k == "weight/" + tensor else 0), (k, diff)
 
 
 @need_py

@@ -109,13 +109,14 @@ def _divergent_checkpoint(tmp_path, delta=0.5):
     i1 = [i for i, b in enumerate(L.buffers) if b["rank"] == 1 and b["name"] == name][0]
     original = tensors[i1][3].item()
     tensors[i1][3] += delta
+    changed = tensors[i1][3].item()
     reshard.save_all_ranks(str(tmp_path / "div"), "step-1", L, tensors, state={"iteration": 1, "step": 1,
                                                                               "consumed_samples": 8})
-    return str(tmp_path / "div"), original
+    return str(tmp_path / "div"), original, changed, tensors[i1].dtype
 
 
 def test_replica_divergence_policies(tmp_path):
-    root, original = _divergent_checkpoint(tmp_path)
+    root, original, changed, dtype = _divergent_checkpoint(tmp_path)
     L = reshard.derive_layout(reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1")
     live = zeros_for(L)
     snap = {k: v.clone() for k, v in live.items()}
@@ -128,8 +129,19 @@ def test_replica_divergence_policies(tmp_path):
     rep = reshard.load(root, L, live, policies={"replicas": "first"})
     assert live["weight/layers.1.input_layernorm.weight"][3].item() == original  # tp rank 0's copy
     assert any("layers.1.input_layernorm.weight" in s for s in rep["replica_report"])
-    with pytest.raises(reshard.Unsupported, match="average"):
-        reshard.load(root, L, live, policies={"replicas": "average"})
+    first = {k: v.clone() for k, v in live.items()}
+    # Average: the mean of the two saved copies, rounded once to the saved dtype; all else as 'first'.
+    rep = reshard.load(root, L, live, policies={"replicas": "average"})
+    name = "weight/layers.1.input_layernorm.weight"
+    want = ((torch.tensor(original, dtype=torch.float64) + changed) / 2).to(dtype)
+    assert live[name][3].item() == want.item() != original
+    assert torch.equal(live[name][:3], first[name][:3]) and torch.equal(live[name][4:], first[name][4:])
+    for k in live:
+        if k != name:
+            assert torch.equal(live[k], first[k]), k
+    assert any("layers.1.input_layernorm.weight" in s for s in rep["replica_report"])
+    assert "replica policy: average" in rep["policies"]
+    assert rep["bytes_read"] > rep["bytes_needed"]  # the second copy was read to average it
 
 
 def test_bad_tensors_are_invalid_argument(tmp_path):
@@ -185,7 +197,7 @@ try:
     reshard._C._comm_all_to_all_v(c, torch.zeros(w, dtype=torch.uint8), bad, list(range(w)),
                                   torch.zeros(2 * w, dtype=torch.uint8), [2] * w, [2 * p for p in range(w)])
     raise SystemExit("no error on mismatched counts")
-except reshard.Internal as e:
+except reshard.FailedPrecondition as e:
     assert "count mismatch" in str(e) and f"[rank {r}/{w}]" in str(e), str(e)
 # Broadcast inside a subgroup (only members call) and over everyone.
 t = torch.full((5,), r, dtype=torch.uint8)

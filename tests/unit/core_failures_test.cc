@@ -3,9 +3,11 @@
 // logical views (Megatron semantics from formats.md §4.3-4.5), so a wrong view cannot pass.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 
 #include "reshard/model.h"
+#include "reshard/simulate.h"
 #include "unit/core_harness.h"
 
 namespace reshard {
@@ -180,6 +182,92 @@ TEST(FailureB12, MqaKeyValueIsCopiedNotConcatenated) {
     EXPECT_NE(std::string(e.what()).find(t), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("max |diff| 0.5"), std::string::npos) << e.what();
   }
+  // Policy first: rank 0's copy loads; the difference is still reported.
+  {
+    PlanOptions o;
+    o.replica_policy = ReplicaPolicy::kFirst;
+    Plan pf = make_plan(ma.as_source(a), one, o);
+    MemCheckpoint mf(one);
+    auto res = simulate_plan(pf, one, ma.reader(), mf.ptrs(), ReplicaPolicy::kFirst);
+    double worst = 0;
+    for (const auto& r : res) worst = std::max(worst, r.max_abs_diff);
+    EXPECT_EQ(worst, 0.5);
+    expect_rows(one, mf, t, m.hidden, gqa_rows(1, 8, 4, 1));
+  }
+  // Policy average: the merged K block is the mean of the four saved copies (three agree, one is
+  // 0.5 higher at one element: +0.125 there), every other element exactly as saved.
+  {
+    PlanOptions o;
+    o.replica_policy = ReplicaPolicy::kAverage;
+    Plan pa = make_plan(ma.as_source(a), one, o);
+    EXPECT_FALSE(pa.replica_sources.empty());
+    MemCheckpoint mav(one);
+    simulate_plan(pa, one, ma.reader(), mav.ptrs(), ReplicaPolicy::kAverage);
+    const float* merged = weight_ptr(one, mav, 0, t);
+    ASSERT_NE(merged, nullptr);
+    auto rows = gqa_rows(1, 8, 4, 1)(0);
+    const int64_t k_row0 = 8 * 4;  // K rows follow the 8 query heads of 4 rows
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (int64_t c = 0; c < m.hidden; ++c) {
+        float want = float(rows[i] * 1000 + c);
+        if (int64_t(i) == k_row0 && c == 3) want += 0.125f;
+        ASSERT_EQ(merged[i * m.hidden + c], want) << "row " << i << " col " << c;
+      }
+    // Reads: the load's bytes plus every other copy that was averaged in.
+    uint64_t replica_bytes = 0;
+    for (const auto& r : pa.replica_sources) replica_bytes += r.bytes();
+    EXPECT_EQ(pa.bytes_to_read, pa.bytes_needed + replica_bytes);
+  }
+}
+
+TEST(ReplicaAverage, BitsOfTheMeanForEachFloatTypeAndPartialCopies) {
+  // Copies that agree give the same bits for every float type; copies that differ give the mean
+  // rounded once to the saved dtype. Replica boxes that cover only part of a fragment average only
+  // where they hold elements.
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    SCOPED_TRACE(dtype_name(dt));
+    // One 1-D array of 8 elements saved by three "files": file 0 whole, file 1 whole, file 2 holds
+    // elements [2, 6) only.
+    const int64_t n = 8;
+    std::vector<std::vector<double>> vals = {{1, 2, 3, 4, 5, 6, 7, 8},
+                                             {1, 2, 3.5, 4, 5, 6, 7, 9},
+                                             {0, 0, 4.25, 4, -5, 6, 0, 0}};
+    std::vector<std::vector<uint8_t>> files(3, std::vector<uint8_t>(n * dtype_size(dt)));
+    for (int f = 0; f < 3; ++f) convert_elements(vals[f].data(), DType::F64, files[f].data(), dt, n);
+    ReadFn read = [&](int32_t file, uint64_t off, uint64_t len, void* dst) {
+      std::memcpy(dst, files[file].data() + off, len);
+    };
+    Plan plan;
+    Fragment f;
+    f.box.ndim = 1;
+    f.box.off[0] = 0;
+    f.box.len[0] = n;
+    f.src_strides[0] = 1;
+    f.src_dtype = dt;
+    f.num_replicas = 2;
+    ReplicaSource r1{f.box, 1, 0, f.src_strides, dt};
+    ReplicaSource r2 = r1;
+    r2.file = 2;
+    r2.box.off[0] = 2;
+    r2.box.len[0] = 4;
+    r2.byte_base = 2 * dtype_size(dt);
+    plan.replica_sources = {r1, r2};
+    std::vector<uint8_t> packed = files[0];
+    EXPECT_EQ(average_replicas(plan, f, read, packed.data()), r1.bytes() + r2.bytes());
+    std::vector<double> got(n);
+    convert_elements(packed.data(), dt, got.data(), DType::F64, n);
+    const std::vector<double> want = {1, 2, (3 + 3.5 + 4.25) / 3, 4, (5 + 5 - 5) / 3.0, 6, 7, 8.5};
+    for (int64_t i = 0; i < n; ++i) {
+      // The expected mean rounded to dt the same way (via fp32 for the 16-bit types).
+      std::vector<uint8_t> one(dtype_size(dt));
+      convert_elements(&want[i], DType::F64, one.data(), dt, 1);
+      double w;
+      convert_elements(one.data(), dt, &w, DType::F64, 1);
+      EXPECT_EQ(got[i], w) << "element " << i;
+    }
+    EXPECT_EQ(got[0], 1.0);
+    EXPECT_EQ(got[3], 4.0);
+  }
 }
 
 TEST(FailureB13, GqaFusedQkvKeepsGroupsAndRefusesAnMhaModel) {
@@ -297,7 +385,9 @@ TEST(FailureB15, TiedEmbeddingAcrossPipelineStages) {
       int first = b.find_buffer(0, name), last = b.find_buffer(pp - 1, name);
       ASSERT_GE(first, 0);
       ASSERT_GE(last, 0);
-      if (b.topo.zero == 0) EXPECT_EQ(mb.bufs[first], mb.bufs[last]) << name;  // bitwise equal copies
+      if (b.topo.zero == 0) {
+        EXPECT_EQ(mb.bufs[first], mb.bufs[last]) << name;  // bitwise equal copies
+      }
       for (int s = 1; s < pp - 1; ++s) EXPECT_LT(b.find_buffer(s, name), 0) << "middle stage " << s << " holds " << name;
     }
   }

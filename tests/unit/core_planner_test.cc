@@ -84,13 +84,23 @@ void run_case(const Case& c, const PlanOptions& opt, bool round_trip) {
   SourceLayout sa = ma.as_source(A);
   Plan p = make_plan(sa, B, opt);
   MemCheckpoint mb(B);
-  simulate_plan(p, B, ma.reader(), mb.ptrs());
+  simulate_plan(p, B, ma.reader(), mb.ptrs(), opt.replica_policy);
   std::string why;
   int64_t src_rows = c.model.padded_vocab(c.a.tp);
+  // Every policy loads the truth here: the replicas of a synthesized checkpoint agree, and the mean
+  // of equal copies is the same bits.
   ASSERT_EQ(testing::check_truth(B, mb, src_rows, &why), 0) << why;
-  // bytes read == bytes needed (dedup), deliveries cover the target exactly once
+  uint64_t replica_bytes = 0;
+  for (const ReplicaSource& r : p.replica_sources) replica_bytes += r.bytes();
+  if (opt.replica_policy != ReplicaPolicy::kAverage) {
+    EXPECT_TRUE(p.replica_sources.empty());
+  } else {
+    EXPECT_EQ(p.replica_sources.empty(), p.replica_compares.empty());
+  }
+  // bytes read == bytes needed (dedup) plus the replica copies averaged; deliveries cover the
+  // target exactly once
   if (opt.dedup) {
-    EXPECT_EQ(p.bytes_to_read, p.bytes_needed);
+    EXPECT_EQ(p.bytes_to_read, p.bytes_needed + replica_bytes);
   }
   if (!round_trip) return;
   // B -> A (A with all replicas; compare only what A's files hold: dp0 weights and every state).
@@ -98,7 +108,7 @@ void run_case(const Case& c, const PlanOptions& opt, bool round_trip) {
   SourceLayout sb = mb.as_source(B);
   Plan back = make_plan(sb, A2, opt);
   MemCheckpoint ma2(A2);
-  simulate_plan(back, A2, mb.reader(), ma2.ptrs());
+  simulate_plan(back, A2, mb.reader(), ma2.ptrs(), opt.replica_policy);
   int64_t vocab_rows_b = c.model.padded_vocab(c.b.tp);
   for (size_t i = 0; i < A.buffers.size(); ++i) {
     if (ma.bufs[i] == ma2.bufs[i]) continue;
@@ -121,6 +131,7 @@ TEST(PlannerProperty, RandomLayoutPairsExactCoverageAndRoundTrip) {
     PlanOptions opt;
     opt.dedup = rng() % 4 != 0;
     opt.memory_budget = (rng() % 3 == 0) ? kMinMemoryBudget : (uint64_t(1) << 30);
+    opt.replica_policy = ReplicaPolicy(rng() % 3);
     run_case(c, opt, true);
     if (::testing::Test::HasFailure()) {
       ADD_FAILURE() << "failing case #" << ran << " (seed " << seed << ")";
@@ -213,9 +224,11 @@ TEST(PlannerProperty, MemoryBudgetBoundsEveryWave) {
   m.vocab = 1000;
   m.vocab_divisible_by = 8;
   Topology a = Topology::parse("tp=2,dp=2,zero=1"), b = Topology::parse("tp=1,dp=3,zero=1");
-  for (uint64_t budget : {kMinMemoryBudget, uint64_t(256 * 1024), uint64_t(4 << 20)}) {
+  for (uint64_t budget : {kMinMemoryBudget, uint64_t(256 * 1024), uint64_t(4 << 20)})
+  for (ReplicaPolicy policy : {ReplicaPolicy::kError, ReplicaPolicy::kAverage}) {
     PlanOptions opt;
     opt.memory_budget = budget;
+    opt.replica_policy = policy;  // averaging holds replica reads too: still within the budget
     run_case({m, a, b}, opt, false);
     DeriveOptions so;
     so.weights_on_dp0_only = true;
@@ -223,7 +236,9 @@ TEST(PlannerProperty, MemoryBudgetBoundsEveryWave) {
     MemCheckpoint ma(A);
     Plan p = make_plan(ma.as_source(A), derive_layout(m, b), opt);
     EXPECT_LE(p.peak_staging_bytes_per_rank, budget);
-    if (budget < (1u << 20)) EXPECT_GT(p.num_waves, 1);
+    if (budget < (1u << 20)) {
+      EXPECT_GT(p.num_waves, 1);
+    }
   }
   PlanOptions tiny;
   tiny.memory_budget = 1000;

@@ -485,7 +485,21 @@ TEST(DeepSpeedFailures, B10_ReplicatedLayerNormDiffersAcrossTp) {
   ConsolidateOptions first;
   first.replica_policy = ReplicaPolicy::kFirst;
   Consolidated C = consolidate(*reader, first);
-  EXPECT_EQ(C[StateKind::kWeight].count("layers.0.input_layernorm.weight"), 1u);
+  ASSERT_EQ(C[StateKind::kWeight].count("layers.0.input_layernorm.weight"), 1u);
+  // 'average': element 5 is the mean of tp rank 0's value and tp rank 1's (raised by 2^-10); the
+  // other elements agree and stay as saved.
+  ConsolidateOptions avg;
+  avg.replica_policy = ReplicaPolicy::kAverage;
+  Consolidated A = consolidate(*reader, avg);
+  const auto& w0 = C[StateKind::kWeight].at("layers.0.input_layernorm.weight").values;
+  const auto& wa = A[StateKind::kWeight].at("layers.0.input_layernorm.weight").values;
+  ASSERT_EQ(w0.size(), 64u);
+  ASSERT_EQ(wa.size(), 64u);
+  for (size_t i = 0; i < 64; ++i) {
+    const float raised = w0[i] + 1.0f / 1024;
+    const float want = i == 5 ? float((double(w0[i]) + double(raised)) / 2) : w0[i];
+    EXPECT_EQ(wa[i], want) << "element " << i;
+  }
   // The patched bytes also fail the zip CRC of their storage record.
   const int32_t fi = int32_t(std::find(reader->source().files.begin(), reader->source().files.end(), f) - reader->source().files.begin());
   ASSERT_LT(size_t(fi), reader->source().files.size());

@@ -483,22 +483,46 @@ TEST(ReliabilityReplicas, DifferingReplicaPolicies) {
     EXPECT_HAS(msg, "no live tensor was written");
     EXPECT_TRUE(live.untouched());
   }
+  Live first(t);
   {
-    Live live(t);
-    LoadOptions o;
-    o.plan.replica_policy = ReplicaPolicy::kAverage;
-    std::string msg = expect_error(ErrorCode::kUnsupported, [&] { load_local(*ck, t, live, o); });
-    EXPECT_HAS(msg, "'average' is not implemented");
-    EXPECT_TRUE(live.untouched());
-  }
-  {
-    Live live(t);
     LoadOptions o;
     o.plan.replica_policy = ReplicaPolicy::kFirst;
-    LoadReport r = load_local(*ck, t, live, o);
+    LoadReport r = load_local(*ck, t, first, o);
     ASSERT_EQ(r.replica_report.size(), 1u);
     EXPECT_HAS(r.replica_report[0], tensor);
     EXPECT_HAS(r.replica_report[0], "max |diff|");
+  }
+  {
+    // Average: element 0 of the tensor is the mean of rank 0's value and rank 1's (one bf16 ulp
+    // apart), rounded to bf16; every other byte equals what policy 'first' loaded.
+    Live avg(t);
+    LoadOptions o;
+    o.plan.replica_policy = ReplicaPolicy::kAverage;
+    LoadReport r = load_local(*ck, t, avg, o);
+    ASSERT_EQ(r.replica_report.size(), 1u);
+    EXPECT_HAS(r.replica_report[0], tensor);
+    const int tb = t.find_buffer(0, "weight/" + tensor);
+    ASSERT_GE(tb, 0);
+    uint16_t a_bits, got;
+    std::memcpy(&a_bits, first.mem[tb].data(), 2);
+    std::memcpy(&got, avg.mem[tb].data(), 2);
+    const uint16_t b_bits = uint16_t(a_bits ^ 1);  // the flipped low bit of rank 1's copy
+    double a, b;
+    convert_elements(&a_bits, DType::BF16, &a, DType::F64, 1);
+    convert_elements(&b_bits, DType::BF16, &b, DType::F64, 1);
+    const double mean = (a + b) / 2;
+    uint16_t want;
+    convert_elements(&mean, DType::F64, &want, DType::BF16, 1);
+    EXPECT_EQ(got, want) << "a " << a << " b " << b;
+    EXPECT_TRUE(got == a_bits || got == b_bits) << "a half-ulp mean rounds to one of the copies";
+    for (size_t i = 0; i < t.buffers.size(); ++i) {
+      if (int(i) == tb) {
+        EXPECT_TRUE(std::equal(first.mem[i].begin() + 2, first.mem[i].end(), avg.mem[i].begin() + 2));
+      } else {
+        EXPECT_EQ(first.mem[i], avg.mem[i]) << t.buffers[i].name;
+      }
+    }
+    EXPECT_GT(r.bytes_read, r.bytes_needed) << "the other copies are read too";
   }
   {
     Live live(t);
