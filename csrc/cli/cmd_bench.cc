@@ -149,11 +149,14 @@ int run_load(const LoadArgs& a) {
   lo.plan.dedup = !a.no_dedup;
   lo.io_threads = a.io_threads;
   lo.verify = a.verify;
-  const SourceLayout& src = ckpt->source();
+  const std::vector<std::string> files = ckpt->source().files;
   for (int rep = 0; rep < a.repeat; ++rep) {
+    // Each repeat opens the checkpoint afresh, as a restarting trainer does: no file mapping or
+    // handle survives from the previous load.
+    if (rep > 0) ckpt = open_checkpoint(a.path, oo);
     double resident = -2;
     if (a.cold) {
-      if (me == 0) resident = evict_files(src.files);
+      if (me == 0) resident = evict_files(files);
       comm->barrier();
     }
     LoadReport r = load(*ckpt, target, ptrs, *comm, lo);
@@ -180,6 +183,7 @@ int run_load(const LoadArgs& a) {
     j["read_seconds_max_rank"] = mx(r.read_seconds);
     j["exchange_seconds_max_rank"] = mx(r.exchange_seconds);
     j["scatter_seconds_max_rank"] = mx(r.scatter_seconds);
+    j["copy_seconds_max_rank"] = mx(r.copy_seconds);
     j["bytes_read_max_rank"] = comm->all_reduce_max(int64_t(r.rank_bytes_read));
     j["bytes_sent_max_rank"] = comm->all_reduce_max(int64_t(r.rank_bytes_sent));
     if (!a.label.empty()) j["label"] = a.label;

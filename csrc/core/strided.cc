@@ -74,6 +74,45 @@ void unpack_box(const void* packed, DType from, void* base, DType to, const Box&
   });
 }
 
+void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& src_strides, void* dst, DType to,
+              const std::array<int64_t, kMaxDims>& dst_strides, const Box& box) {
+  const int nd = box.ndim;
+  if (box.numel() == 0) return;
+  const size_t fs = dtype_size(from), ts = dtype_size(to);
+  const auto* s = static_cast<const uint8_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+  if (nd == 0) {
+    convert_elements(s, from, d, to, 1);
+    return;
+  }
+  // Merge trailing dims that are contiguous in both memories into one run of `run` elements.
+  int inner = nd - 1;
+  int64_t run = 1;
+  if ((src_strides[inner] == 1 || box.len[inner] == 1) && (dst_strides[inner] == 1 || box.len[inner] == 1)) {
+    run = box.len[inner];
+    while (inner > 0 && (box.len[inner - 1] == 1 ||
+                         (src_strides[inner - 1] == run && dst_strides[inner - 1] == run))) {
+      --inner;
+      run *= box.len[inner];
+    }
+  } else {
+    inner = nd;  // element-wise along a strided innermost dim
+  }
+  const int outer = inner;
+  std::array<int64_t, kMaxDims> ix{};
+  while (true) {
+    int64_t so = 0, dof = 0;
+    for (int k = 0; k < outer; ++k) {
+      so += ix[k] * src_strides[k];
+      dof += ix[k] * dst_strides[k];
+    }
+    convert_elements(s + so * int64_t(fs), from, d + dof * int64_t(ts), to, size_t(run));
+    int k = outer - 1;
+    while (k >= 0 && ++ix[k] >= box.len[k]) ix[k--] = 0;
+    if (k < 0) break;
+  }
+}
+
 void fill_zero_box(void* base, DType t, const Box& box, const std::array<int64_t, kMaxDims>& strides) {
   const size_t es = dtype_size(t);
   auto* dst = static_cast<uint8_t*>(base);

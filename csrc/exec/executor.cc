@@ -9,6 +9,8 @@
 #include <memory>
 #include <thread>
 
+#include <sys/mman.h>
+
 #include "reshard/error.h"
 #include "reshard/simulate.h"
 #include "reshard/strided.h"
@@ -236,18 +238,40 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     }
     return true;
   };
+  // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
+  // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's
+  // page faults: the exchange of the first wave ran at half speed without it).
   struct Grow {
-    std::unique_ptr<uint8_t[]> p;
+    uint8_t* p = nullptr;
     uint64_t cap = 0;
     uint8_t* get(uint64_t n) {
-      if (n > cap) { p.reset(new uint8_t[n]); cap = n; }
-      return p.get();
+      if (n <= cap) return p;
+      release();
+      const uint64_t huge = uint64_t(2) << 20;
+      const uint64_t len = (n + huge - 1) / huge * huge;
+      void* m = ::mmap(nullptr, size_t(len), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) fail(ErrorCode::kFailedPrecondition, "cannot allocate ", len, " bytes of staging memory (lower the memory budget)");
+#ifdef MADV_HUGEPAGE
+      ::madvise(m, size_t(len), MADV_HUGEPAGE);  // advisory
+#endif
+      p = static_cast<uint8_t*>(m);
+      cap = len;
+      return p;
     }
+    void release() {
+      if (p) ::munmap(p, size_t(cap));
+      p = nullptr;
+      cap = 0;
+    }
+    ~Grow() { release(); }
   } staging_mem, send_mem, recv_mem, fan_mem;
   for (int w = 0; w < plan.num_waves; ++w) {
     const size_t lo = wave_begin[w], hi = wave_begin[w + 1];
     std::vector<uint64_t> send_counts(W, 0), recv_counts(W, 0);
-    struct Mine { size_t frag; uint8_t* dst; bool direct, verify; int32_t peer; uint64_t off; bool fan; };
+    // src: the fragment's bytes in the reader's file mapping (nullptr: read with pread). dst: where
+    // the packed fragment goes (staging, a send slot, or a live buffer when direct); nullptr for a
+    // mapped fragment that only this rank receives (copied from the mapping in the copy step).
+    struct Mine { size_t frag; uint8_t* dst; bool direct, verify; int32_t peer; uint64_t off; bool fan; const uint8_t* src; };
     std::vector<Mine> mine;
     std::vector<std::pair<size_t, uint64_t>> incoming;  // (fragment, offset within its sender's recv block)
     std::vector<std::pair<size_t, uint64_t>> fan_in;    // group fan-out fragments this rank receives
@@ -262,6 +286,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       // Bytes many ranks need go out as one broadcast inside the group of their receivers (a tree),
       // not as one send per receiver from the reader.
       const bool fan = remote_ranks(plan, f) >= kFanoutMinReceivers;
+      const uint8_t* map = (f.reader == me && opt.use_mmap && f.num_replicas == 0) ? source.mapped(f.file) : nullptr;
+      const uint8_t* src_at = map ? map + f.byte_base : nullptr;
       if (fan) {
         bool in = false;
         for (uint32_t k = 0; k < f.num_deliveries; ++k) in |= plan.deliveries[f.first_delivery + k].rank == me;
@@ -272,7 +298,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
           }
           continue;
         }
-        Mine m{i, nullptr, false, opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides), -1, stage_bytes, true};
+        Mine m{i, nullptr, false, opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides), -1, stage_bytes, true,
+               src_at};
         stage_bytes += f.bytes();
         mine.push_back(m);
         continue;
@@ -293,15 +320,17 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         }
       }
       if (f.reader != me) continue;
-      Mine m{i, nullptr, false, false, first_peer, first_off, false};
-      if (!remote && f.num_deliveries == 1 && for_me) {
+      Mine m{i, nullptr, false, false, first_peer, first_off, false, src_at};
+      if (!remote && src_at) {
+        // Mapped and only this rank receives it: no staging, the copy step reads the mapping.
+      } else if (!remote && f.num_deliveries == 1 && for_me) {
         const Delivery& dv = plan.deliveries[f.first_delivery];
         // Straight into live memory only when no checksum is to be checked: a corrupted byte must
         // be found before it reaches a live tensor (then the error is clean, not "state unusable").
         m.direct = opt.verify == VerifyMode::kOff && target.buffers[dv.buffer].dtype == f.src_dtype &&
                    dense(f.box, f.src_strides) && dense(f.box, dv.strides);
       }
-      if (!m.direct && !remote) {
+      if (!m.direct && !remote && !src_at) {
         m.off = stage_bytes;  // staging offset
         stage_bytes += f.bytes();
       }
@@ -326,6 +355,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         m.dst = static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(target.buffers[dv.buffer].dtype));
       } else if (m.peer >= 0) {
         m.dst = sendbuf + send_displs[m.peer] + m.off;
+      } else if (m.src && !m.fan) {
+        m.dst = nullptr;
       } else {
         m.dst = staging + m.off;
       }
@@ -338,11 +369,21 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
       const Mine& m = mine[k];
       const Fragment& f = plan.fragments[m.frag];
+      Box rel = f.box;
+      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      if (m.src) {
+        // Checked in the mapping itself, before a byte of it goes anywhere.
+        if (m.verify) {
+          std::string bad = source.verify_range(f.file, f.byte_base, f.bytes(), m.src);
+          if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
+          nverified.fetch_add(1);
+        }
+        if (m.dst) pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
+        return;
+      }
       if (m.direct || dense(f.box, f.src_strides)) {
         source.read(f.file, f.byte_base, f.bytes(), m.dst);
       } else {
-        Box rel = f.box;
-        for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
         read_box(f.file, f.byte_base, f.src_dtype, rel, f.src_strides, read, m.dst);
       }
       if (m.verify) {
@@ -377,29 +418,34 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     // Copies to further receivers' slots, and local unpacks, on the pool.
     auto tx = Clock::now();
     std::vector<uint64_t> send_at = send_displs;
-    struct Copy { const uint8_t* src; size_t frag; int32_t peer_or_delivery; uint64_t dst_off; bool local; };
+    // src_strided: src is the fragment in the file mapping (source strides), not packed.
+    struct Copy { const uint8_t* src; size_t frag; int32_t peer_or_delivery; uint64_t dst_off; bool local, src_strided; };
     std::vector<Copy> copies;
     for (const Mine& m : mine) {
       if (m.direct) continue;
       const Fragment& f = plan.fragments[m.frag];
+      if (!m.dst) {
+        for (uint32_t j = 0; j < f.num_deliveries; ++j)
+          copies.push_back({m.src, m.frag, int32_t(f.first_delivery + j), 0, true, true});
+        continue;
+      }
       int32_t last = -1;
       bool first_remote = true;
       for (uint32_t j = 0; j < f.num_deliveries; ++j) {
         const Delivery& dv = plan.deliveries[f.first_delivery + j];
         if (dv.rank == me) {
-          copies.push_back({m.dst, m.frag, int32_t(f.first_delivery + j), 0, true});
+          copies.push_back({m.dst, m.frag, int32_t(f.first_delivery + j), 0, true, false});
         } else if (m.fan) {
           continue;  // sent by the group broadcast below
         } else if (dv.rank != last) {
-          if (!first_remote) copies.push_back({m.dst, m.frag, dv.rank, send_at[dv.rank], false});
+          if (!first_remote) copies.push_back({m.dst, m.frag, dv.rank, send_at[dv.rank], false, false});
           first_remote = false;
           send_at[dv.rank] += f.bytes();
         }
         if (dv.rank != me) last = dv.rank;
       }
     }
-    std::string cerr = parallel_for(copies.size(), opt.io_threads, [&](size_t k) {
-      const Copy& c = copies[k];
+    auto do_copy = [&](const Copy& c) {
       const Fragment& f = plan.fragments[c.frag];
       if (!c.local) {
         std::memcpy(sendbuf + c.dst_off, c.src, f.bytes());
@@ -409,25 +455,46 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       const Buffer& b = target.buffers[dv.buffer];
       Box rel = f.box;
       for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-      unpack_box(c.src, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
-                 b.dtype, rel, dv.strides);
-    });
-    for (const Copy& c : copies)
-      if (c.local) {
-        written = true;
-        wrote(plan.deliveries[c.peer_or_delivery].buffer, plan.fragments[c.frag].box.numel());
+      uint8_t* dst = static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype));
+      if (c.src_strided) {
+        copy_box(c.src, f.src_dtype, f.src_strides, dst, b.dtype, dv.strides, rel);
+      } else {
+        unpack_box(c.src, f.src_dtype, dst, b.dtype, rel, dv.strides);
       }
-    if (!cerr.empty())
-      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
-           "state is unusable and the trainer must abort: ", cerr);
+    };
+    // Send-slot copies first (the exchange reads them); then the local copies into live tensors run
+    // on the pool while this thread runs the all-to-all-v, so a rank copies while it waits for its
+    // peers instead of after.
+    std::vector<size_t> to_slots, to_live;
+    for (size_t k = 0; k < copies.size(); ++k) (copies[k].local ? to_live : to_slots).push_back(k);
+    std::string cerr = parallel_for(to_slots.size(), opt.io_threads, [&](size_t k) { do_copy(copies[to_slots[k]]); });
+    if (!cerr.empty()) fail(ErrorCode::kInternal, prefix(comm), "packing sends failed: ", cerr);
+    if (!to_live.empty()) written = true;
+    std::string lerr;
+    std::thread local_copies([&] {
+      lerr = parallel_for(to_live.size(), opt.io_threads, [&](size_t k) { do_copy(copies[to_live[k]]); });
+    });
+    auto ta = Clock::now();
+    std::string xerr;
     try {
       comm.all_to_all_v(sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs);
+      st.exchange_seconds += seconds_since(ta);
     } catch (const Error& e) {
-      if (!written) throw;
-      fail(ErrorCode::kFailedPrecondition, prefix(comm), "exchange of wave ", w, " failed after live tensors were "
-           "partly written; the live state is unusable and the trainer must abort: ", e.what());
+      xerr = e.what();
+      if (!written) {
+        local_copies.join();
+        throw;
+      }
     }
-    st.exchange_seconds += seconds_since(tx);
+    local_copies.join();
+    st.copy_seconds += seconds_since(tx);
+    for (size_t k : to_live) wrote(plan.deliveries[copies[k].peer_or_delivery].buffer, plan.fragments[copies[k].frag].box.numel());
+    if (!lerr.empty())
+      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
+           "state is unusable and the trainer must abort: ", lerr);
+    if (!xerr.empty())
+      fail(ErrorCode::kFailedPrecondition, prefix(comm), "exchange of wave ", w, " failed after live tensors were "
+           "partly written; the live state is unusable and the trainer must abort: ", xerr);
     for (int r = 0; r < W; ++r) {
       st.bytes_sent += send_counts[r];
       st.bytes_received += recv_counts[r];

@@ -6,9 +6,10 @@
 //     comparisons assigned to this rank run; the outcome is all-gathered, so a missing file or a
 //     replica divergence fails on every rank, by name, before any target byte is written;
 //  3. zero fills (vocab padding rows only the target has, flat-partition padding);
-//  4. waves: read (thread pool of positioned reads into staging) -> status all-gathered ->
-//     local scatter + all-to-all-v of packed fragments -> scatter of received fragments;
-//  4. zero fills (vocab padding rows only the target has, flat-partition padding).
+//  4. waves: read (thread pool: checksums checked on the mapped file, or positioned reads into
+//     staging where the reader has no mapping) -> status all-gathered -> local copies (straight
+//     from the mapped file into live tensors) + all-to-all-v of packed fragments -> scatter of
+//     received fragments -> group broadcasts of fragments many ranks need.
 // A failure after the first write raises Error(kFailedPrecondition) saying the live state is
 // unusable and the trainer must not continue.
 #pragma once
@@ -34,6 +35,10 @@ struct ExecOptions {
   ReplicaPolicy replica_policy = ReplicaPolicy::kError;
   double replica_atol = 0.0;
   VerifyMode verify = VerifyMode::kFree;
+  /// Copy out of the reader's read-only file mappings (CheckpointReader::mapped) where it has
+  /// them: one copy from the page cache into the live tensor or send buffer, no staging. Off:
+  /// positioned reads into staging (the path readers without mappings always take).
+  bool use_mmap = true;
   /// Called (on the executing thread) once every element of one of this rank's target buffers
   /// has been written; GPU targets use it to start the host-to-device copy of a finished buffer
   /// while later waves are still being read.
@@ -47,7 +52,10 @@ struct ExecStats {
   uint64_t verify_bytes_read = 0;  // replica comparison reads
   uint64_t checksums_verified = 0; // fragments whose stored checksum was checked
   uint64_t peak_staging_bytes = 0;
-  double read_seconds = 0, exchange_seconds = 0, scatter_seconds = 0, total_seconds = 0;
+  // read: checksum checks and reads/packs of this rank's fragments; copy: local copies into live
+  // tensors and send slots; exchange: all-to-all-v and group broadcasts (with their unpacking);
+  // scatter: unpacking received fragments.
+  double read_seconds = 0, copy_seconds = 0, exchange_seconds = 0, scatter_seconds = 0, total_seconds = 0;
   std::vector<std::string> replica_report;  // "tensor (state): max |diff| x" for differing replicas
 };
 

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 
 #include "reshard/error.h"
 
@@ -44,6 +46,59 @@ File File::open_read(const std::string& path) {
     fail(ErrorCode::kInvalidArgument, "cannot open ", path, " for reading: it is a folder");
   }
   return File(fd, path);
+}
+
+MappedFile::MappedFile(const std::string& path) {
+  File f = File::open_read(path);
+  size_ = f.size();
+  if (size_ == 0) return;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail_errno(errno, "cannot open " + path + " for reading");
+  void* p = ::mmap(nullptr, size_t(size_), PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) fail(ErrorCode::kInvalidArgument, "cannot map ", path, " (", size_, " bytes): ", std::strerror(err));
+  data_ = static_cast<uint8_t*>(p);
+}
+
+MappedFile::~MappedFile() {
+  if (data_) ::munmap(data_, size_t(size_));
+}
+
+void MappedFile::populate(uint64_t offset, uint64_t length) const {
+#ifdef MADV_POPULATE_READ
+  if (!data_ || length == 0 || offset >= size_) return;
+  const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  const uint64_t lo = offset / page * page;
+  const uint64_t hi = std::min(size_, offset + length);
+  ::madvise(data_ + lo, size_t(hi - lo), MADV_POPULATE_READ);  // advisory: errors change nothing
+#else
+  (void)offset;
+  (void)length;
+#endif
+}
+
+struct MappedFileSet::Slot {
+  std::once_flag once;
+  std::unique_ptr<MappedFile> map;
+};
+
+MappedFileSet::MappedFileSet(std::vector<std::string> paths)
+    : paths_(std::move(paths)), slots_(new Slot[paths_.size()]) {}
+
+MappedFileSet::~MappedFileSet() = default;
+
+const MappedFile* MappedFileSet::get(size_t i) const {
+  if (i >= paths_.size()) return nullptr;
+  Slot& s = slots_[i];
+  std::call_once(s.once, [&] {
+    try {
+      s.map = std::make_unique<MappedFile>(paths_[i]);
+    } catch (const Error&) {
+      s.map.reset();  // missing or unmappable: read() reports it precisely
+    }
+  });
+  return s.map.get();
 }
 
 File File::create(const std::string& path) {

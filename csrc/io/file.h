@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,41 @@ class File {
   File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   int fd_ = -1;
   std::string path_;
+};
+
+/// A read-only shared mapping of a whole file (mmap PROT_READ, MAP_SHARED): the page-cache pages
+/// themselves, so copying out of it is one copy with no system call per run. Bytes past the end
+/// of the file as it is now must never be touched (SIGBUS): callers check sizes first.
+class MappedFile {
+ public:
+  /// Maps the file; Error(kNotFound) when it does not exist, kInvalidArgument when mmap fails.
+  explicit MappedFile(const std::string& path);
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile();
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  /// Asks the kernel to fill the page tables of [offset, offset + length) now (MADV_POPULATE_READ
+  /// where the kernel has it, else nothing): fewer page faults when the range is then copied.
+  void populate(uint64_t offset, uint64_t length) const;
+
+ private:
+  uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+/// Mappings of a fixed list of files, each made on first use (thread-safe) and kept until the set
+/// is destroyed. get() returns nullptr where a file cannot be mapped (the caller then reads).
+class MappedFileSet {
+ public:
+  explicit MappedFileSet(std::vector<std::string> paths);
+  ~MappedFileSet();
+  const MappedFile* get(size_t i) const;
+
+ private:
+  std::vector<std::string> paths_;
+  struct Slot;
+  std::unique_ptr<Slot[]> slots_;
 };
 
 /// fsync of a folder (makes renames and new entries in it durable).

@@ -43,6 +43,11 @@ class CheckpointReader {
   /// Size in bytes of file `file`; throws Error(kNotFound) naming the path when it is missing.
   /// Pre-flight uses it so that a missing or short file fails on every rank before any write.
   virtual uint64_t file_size(int32_t file) const = 0;
+  /// A read-only mapping of the whole of file `file` (the same bytes read() returns), or nullptr
+  /// where this reader has none; then executors use read(). Valid while the reader lives. Callers
+  /// touch only ranges the pre-flight checked against file_size() (a byte past the end of a
+  /// mapped file is SIGBUS, not an error).
+  virtual const uint8_t* mapped(int32_t file) const { return nullptr; }
   /// Checks stored checksums of the pieces covering a file range, where the format has them.
   /// Returns an empty string when fine, else a message naming file, tensor and byte range.
   virtual std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const {

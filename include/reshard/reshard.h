@@ -35,7 +35,7 @@ struct LoadReport {
   uint64_t checksums_verified = 0;
   /// This rank's own numbers (the totals above are over all ranks).
   uint64_t rank_bytes_read = 0, rank_bytes_sent = 0, rank_bytes_received = 0;
-  double read_seconds = 0, exchange_seconds = 0, scatter_seconds = 0;  // this rank
+  double read_seconds = 0, copy_seconds = 0, exchange_seconds = 0, scatter_seconds = 0;  // this rank (ExecStats)
   double plan_seconds = 0;        // planning (every rank plans the whole job)
   double seconds = 0;             // wall time of the load, max over ranks, planning included
   double gbps = 0;                // target_bytes / seconds / 1e9 (GB = 10^9 bytes)

@@ -24,6 +24,12 @@ void pack_box(const void* base, DType t, const Box& box, const std::array<int64_
 void unpack_box(const void* packed, DType from, void* base, DType to, const Box& box,
                 const std::array<int64_t, kMaxDims>& strides);
 
+/// Copies a box from strided memory of dtype `from` (src at the box origin, src_strides) to
+/// strided memory of dtype `to` (dst at the box origin, dst_strides), converting: one pass, no
+/// packed intermediate. Trailing dims contiguous on both sides are merged into one run.
+void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& src_strides, void* dst, DType to,
+              const std::array<int64_t, kMaxDims>& dst_strides, const Box& box);
+
 /// Zero-fills a strided box of dtype t.
 void fill_zero_box(void* base, DType t, const Box& box, const std::array<int64_t, kMaxDims>& strides);
 

@@ -172,11 +172,11 @@ def descendants(pid):
 @pytest.mark.skipif(MPIRUN is None or not CLI.exists() or psutil is None, reason="needs mpirun, the CLI, psutil")
 def test_convert_under_mpirun_rank_killed_mid_load(tmp_path):
     src = tmp_path / "src"
-    # A bigger source (hidden 256, 8 layers) and a 64 KiB budget: hundreds of waves, so the kill
-    # lands while ranks read and exchange.
+    # A bigger source (hidden 512, 8 layers, 0.27 GB) and a 64 KiB budget: thousands of waves
+    # (about 2 s here), so the kill lands while ranks read and exchange.
     model = tmp_path / "m.yaml"
-    model.write_text(MODEL.read_text().replace("num_layers: 4", "num_layers: 8").replace("hidden: 64", "hidden: 256")
-                     .replace("ffn: 128", "ffn: 512"))
+    model.write_text(MODEL.read_text().replace("num_layers: 4", "num_layers: 8").replace("hidden: 64", "hidden: 512")
+                     .replace("ffn: 128", "ffn: 1024"))
     r = subprocess.run([str(CLI), "synth", src, "--model", model, "--layout", "tp=2,pp=1,dp=2,zero=1", "--seed", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -189,12 +189,13 @@ def test_convert_under_mpirun_rank_killed_mid_load(tmp_path):
                          start_new_session=True)
     victim = None
     try:
-        # Wait until all 4 ranks run and have read some bytes, then kill one of them by pid.
+        # Wait until all 4 ranks run and have worked a little (past MPI start-up; their data reads
+        # go through file mappings, so read counters do not show them), then kill one by pid.
         while time.time() - t0 < 60 and p.poll() is None:
             ranks = [c for c in descendants(p.pid) if c.name() == "reshard"]
             if len(ranks) == 4:
                 try:
-                    if all(c.io_counters().read_chars > 0 for c in ranks):
+                    if all(sum(c.cpu_times()[:2]) > 0.05 for c in ranks):
                         victim = sorted(ranks, key=lambda c: c.pid)[1]
                         break
                 except psutil.NoSuchProcess:

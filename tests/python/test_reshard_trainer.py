@@ -203,7 +203,7 @@ def test_gqa_swiglu_untied_tp2pp2_to_tp4pp1(tmp_path):
 def test_deepspeed_tp_replica_divergence(source, tmp_path):
     """failures.md B10 on a real DeepSpeed folder: one LayerNorm value changed in the tp rank 1 layer
     file. 'error' raises DataLoss naming the tensor and max |diff| before any write; 'first' loads tp
-    rank 0's copy."""
+    rank 0's copy; 'average' the mean of both copies."""
     tmp = source["tmp"]
     if not ds_readable(tmp):
         pytest.skip("this build has no DeepSpeed reader")
@@ -224,4 +224,11 @@ def test_deepspeed_tp_replica_divergence(source, tmp_path):
     w = live["weight/layers.0.input_layernorm.weight"]
     assert w[5].item() == original
     assert torch.equal(w, consolidate(f"{tmp}/dump/it3", source["cfg"])["weight"]["layers.0.input_layernorm.weight"])
+    assert any("layers.0.input_layernorm.weight" in s for s in rep["replica_report"])
+    # 'average': element 5 is the mean of the two tp copies (rounded once to fp32), the rest as saved.
+    first = w.clone()
+    rep = reshard.load(str(ds), L, live, step=3, model=model, policies={"replicas": "average"})
+    want = ((torch.tensor(original, dtype=torch.float64) + sd["input_layernorm.weight"][5].double()) / 2).float()
+    assert w[5].item() == want.item() != original
+    assert torch.equal(w[:5], first[:5]) and torch.equal(w[6:], first[6:])
     assert any("layers.0.input_layernorm.weight" in s for s in rep["replica_report"])

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -128,7 +129,13 @@ class MpiRequestSet {
         continue;
       }
       if (now - last_progress > limit) timeout(begin, end);
-      sched_yield();
+      // Waiting on a peer that is still working: yield at first (latency), then sleep briefly, so
+      // a rank that finished early does not take a core from ranks sharing the machine with it.
+      if (now - last_progress < std::chrono::microseconds(200)) {
+        sched_yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
     }
   }
 

@@ -156,6 +156,12 @@ class DeepSpeedReader final : public CheckpointReader {
       fail(ErrorCode::kNotFound, "DeepSpeed checkpoint ", dir_, ": no file with index ", file);
     fds_[file].pread(offset, length, dst);
   }
+  const uint8_t* mapped(int32_t file) const override {
+    if (file < 0 || size_t(file) >= fds_.size()) return nullptr;
+    std::call_once(maps_once_, [&] { maps_ = std::make_unique<io::MappedFileSet>(source_.files); });
+    const io::MappedFile* m = maps_->get(size_t(file));
+    return m ? m->data() : nullptr;
+  }
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= fds_.size())
       fail(ErrorCode::kNotFound, "DeepSpeed checkpoint ", dir_, ": no file with index ", file);
@@ -182,6 +188,8 @@ class DeepSpeedReader final : public CheckpointReader {
   std::vector<io::File> fds_;
   std::vector<std::map<uint64_t, std::pair<uint64_t, uint32_t>>> records_;  // offset -> (length, crc)
   std::string missing_;  // missing files, comma-separated
+  mutable std::once_flag maps_once_;
+  mutable std::unique_ptr<io::MappedFileSet> maps_;
 };
 
 struct Opened {

@@ -41,6 +41,13 @@ class NativeReader final : public CheckpointReader {
     handle(file).pread(offset, length, dst);
   }
 
+  const uint8_t* mapped(int32_t file) const override {
+    if (file < 0 || size_t(file) >= src_.files.size() || missing_[file]) return nullptr;
+    std::call_once(maps_once_, [&] { maps_ = std::make_unique<io::MappedFileSet>(src_.files); });
+    const io::MappedFile* m = maps_->get(size_t(file));
+    return m ? m->data() : nullptr;
+  }
+
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= src_.files.size())
       fail(ErrorCode::kInvalidArgument, "file_size: file index ", file, " out of range (", src_.files.size(),
@@ -220,6 +227,8 @@ class NativeReader final : public CheckpointReader {
   std::map<std::tuple<int32_t, uint64_t, uint64_t>, int> by_range_;
   mutable std::mutex mu_;
   mutable std::vector<std::unique_ptr<io::File>> handles_;
+  mutable std::once_flag maps_once_;
+  mutable std::unique_ptr<io::MappedFileSet> maps_;
 };
 
 }  // namespace

@@ -6,6 +6,10 @@
 #include <unordered_set>
 #include <vector>
 
+#ifdef RESHARD_HAVE_ZLIB
+#include <zlib.h>
+#endif
+
 #include "reshard/error.h"
 #include "reshard/torch_archive.h"
 
@@ -29,6 +33,9 @@ uint64_t u64(const uint8_t* p) { return uint64_t(u32(p)) | (uint64_t(u32(p + 4))
 }  // namespace
 
 uint32_t zip_crc32(const void* data, size_t n, uint32_t crc) {
+#ifdef RESHARD_HAVE_ZLIB
+  return uint32_t(crc32_z(uLong(crc), static_cast<const Bytef*>(data), z_size_t(n)));
+#else
   static const auto table = [] {
     std::vector<uint32_t> t(256);
     for (uint32_t i = 0; i < 256; ++i) {
@@ -42,6 +49,7 @@ uint32_t zip_crc32(const void* data, size_t n, uint32_t crc) {
   crc = ~crc;
   for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
   return ~crc;
+#endif
 }
 
 const ZipEntry* ZipDirectory::find(std::string_view name) const {
