@@ -295,7 +295,9 @@ class Bench:
                      cache=cache, source_format=fmt, source_layout=self.a.source, target_layout=target, ranks=K,
                      seconds=median(secs), seconds_all=secs, gbps=m["target_bytes"] / median(secs) / 1e9,
                      target_bytes=m["target_bytes"], bytes_read=m["bytes_read"], bytes_needed=m["bytes_needed"],
-                     read_amplification=m["read_amplification"], bytes_exchanged=m["bytes_exchanged"],
+                     read_amplification=m["read_amplification"],
+                     read_amplification_copies=m.get("read_amplification_copies"),
+                     bytes_reread_on_node=m.get("bytes_reread_on_node", 0), bytes_exchanged=m["bytes_exchanged"],
                      plan_seconds=median([j["plan_seconds"] for j in runs]), waves=m["waves"],
                      peak_rss_bytes=max(j["peak_rss_bytes"] for j in runs),
                      rss_above_live_bytes=max(j["rss_above_live_bytes"] for j in runs),
@@ -456,6 +458,10 @@ class Bench:
                 S.append((f"reshard_nodedup warm {short_layout(t)}", lambda t=t: self._guard(
                     f"reshard_nodedup warm {short_layout(t)}",
                     lambda: self.reshard_load("native", self.native, t, "warm", "reshard_nodedup", ["--no-dedup"]))))
+                S.append((f"reshard_one_read_per_job warm {short_layout(t)}", lambda t=t: self._guard(
+                    f"reshard_one_read_per_job warm {short_layout(t)}",
+                    lambda: self.reshard_load("native", self.native, t, "warm", "reshard_one_read_per_job",
+                                              ["--one-read-per-job"]))))
                 S.append((f"reshard_verify_off warm {short_layout(t)}", lambda t=t: self._guard(
                     f"reshard_verify_off warm {short_layout(t)}",
                     lambda: self.reshard_load("native", self.native, t, "warm", "reshard_verify_off",
@@ -576,6 +582,9 @@ def markdown(entries, info):
         lines += ["", "Skipped or failed:", ""]
         for s in info["skipped"]:
             lines.append(f"- {s['what']}: {s['why'].strip().splitlines()[-1][:300] if s['why'].strip() else ''}")
+    lines += ["", "read amp. = bytes read from storage / bytes needed: a second rank of the same machine copying "
+              "the same bytes out of the shared page cache is not a storage read (reshard: "
+              "read_amplification_copies in results.json counts every copy out of a file)."]
     lines += ["", "GB = 10^9 bytes, GiB = 2^30 bytes. GB/s = bytes of target state / seconds. x read ceiling = "
               "(bytes needed / read-ceiling GB/s of the same files and cache) / seconds. vs dcp / vs ucp = the "
               "peer's seconds / this entry's seconds (same target layout and cache; UCP includes its conversion).", ""]
@@ -588,7 +597,7 @@ def plots(entries, out):
     import matplotlib.pyplot as plt
     loads = [e for e in entries if "target_layout" in e]
     targets = sorted({e["target_layout"] for e in loads}, key=lambda s: (parse_layout(s)["world"], s))
-    systems = [s for s in ("reshard", "reshard_verify_off", "reshard_nodedup", "dcp", "ucp")
+    systems = [s for s in ("reshard", "reshard_verify_off", "reshard_nodedup", "reshard_one_read_per_job", "dcp", "ucp")
                if any(e["system"] == s for e in loads)]
     ceil = {(e["cache"], e["source_format"]): e for e in entries if e["system"] == "read_ceiling"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)

@@ -7,7 +7,8 @@
 #   3. GPU tests: NCCL communicator at world size 1, CUDA targets vs CPU loads, bitwise;
 #   4. throughput: synth a >= 8 GB checkpoint (8 ranks), load it 8 -> 1 into CUDA buffers
 #      (warm, cold), with the same-run ceilings, and DCP's load into CUDA tensors;
-#   5. the Python extension against the machine's torch/libtorch (if time is left);
+#   5. the Python extension against the machine's torch/libtorch, and reshard.load into CUDA
+#      tensors over an NCCL process group against the CPU load (if time is left);
 # then prints a short table. A failing step prints its error tail and the script goes on with
 # whatever can still run; every step has a timeout. Results under $OUT (./gpu_out if unset):
 #   gpu_check.log, build.log, tests.log, gpu_load.json, dcp.json, results.json
@@ -197,7 +198,9 @@ build_python() {
     "${PKGCONF[@]}" > "$OUT/build_py.log" 2>&1 || { tail -30 "$OUT/build_py.log"; return 1; }
   "$CMAKE" --build "$BUILD-py" --target reshard_python -j"$NPROC" >> "$OUT/build_py.log" 2>&1 ||
     { grep -E "error|FAILED" "$OUT/build_py.log" | head -20; return 1; }
-  PYTHONPATH="$ROOT/python" "$PY" -c 'import reshard, torch; print("import reshard ok with torch", torch.__version__)'
+  PYTHONPATH="$ROOT/python" "$PY" -c 'import reshard, torch; print("import reshard ok with torch", torch.__version__)' || return 1
+  # reshard.load into CUDA tensors over an NCCL process group == the CPU load (tests/gpu).
+  PYTHONPATH="$ROOT/python" timeout 120 "$PY" "$ROOT/tests/gpu/python_cuda_check.py"
 }
 if [[ $(left) -gt 90 ]]; then
   step "Python extension vs machine torch" "$(( $(left) < 180 ? $(left) : 180 ))" build_python

@@ -1,4 +1,8 @@
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -52,6 +56,7 @@ LoadReport assemble_load_report(const Plan& plan, const Layout& target, const Ch
   r.writer = ckpt.writer();
   r.path = ckpt.path();
   r.bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_read)));
+  r.bytes_reread_on_node = plan.bytes_reread_on_node;
   r.bytes_exchanged = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_sent)));
   r.verify_bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.verify_bytes_read)));
   r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
@@ -86,6 +91,26 @@ void finish_load_report(LoadReport& r, double local_seconds, Communicator& comm)
   r.gbps = r.seconds > 0 ? double(r.target_bytes) / r.seconds / 1e9 : 0;
 }
 
+std::vector<int32_t> node_of_ranks(Communicator& comm) {
+  // Ranks on one machine share its page cache: same kernel boot id and host name.
+  std::string me;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::getline(boot, me);  // empty where /proc lacks it: the host name alone then decides
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  me += "@";
+  me += host;
+  std::vector<std::string> all = comm.all_gather_strings(me);
+  std::vector<int32_t> node(all.size(), 0);
+  std::vector<std::string> seen;
+  for (size_t r = 0; r < all.size(); ++r) {
+    auto it = std::find(seen.begin(), seen.end(), all[r]);
+    node[r] = int32_t(it - seen.begin());
+    if (it == seen.end()) seen.push_back(all[r]);
+  }
+  return node;
+}
+
 LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::vector<void*>& buffers,
                 Communicator& comm, const LoadOptions& options) {
   auto t0 = Clock::now();
@@ -95,7 +120,9 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
          " has world size ", target.topo.world_size(), " but the job has ", comm.size(), " ranks");
   // Every rank plans the whole job from the same inputs, so a planning error is raised on every
   // rank alike before anything is read; the executor then checks that the plans agree.
-  Plan plan = plan_load(ckpt, target, options.plan, &r.plan_seconds);
+  PlanOptions po = options.plan;
+  if (options.node_local_reads && po.dedup && po.rank_node.empty() && comm.size() > 1) po.rank_node = node_of_ranks(comm);
+  Plan plan = plan_load(ckpt, target, po, &r.plan_seconds);
   ExecOptions eo;
   eo.io_threads = options.io_threads;
   eo.replica_policy = options.plan.replica_policy;
@@ -121,6 +148,7 @@ std::string LoadReport::to_json() const {
   j["writer"] = writer;
   j["path"] = path;
   j["bytes_read"] = bytes_read;
+  j["bytes_reread_on_node"] = bytes_reread_on_node;
   j["bytes_needed"] = bytes_needed;
   j["bytes_exchanged"] = bytes_exchanged;
   j["verify_bytes_read"] = verify_bytes_read;

@@ -656,7 +656,19 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   std::vector<std::vector<uint64_t>> wave_use;  // [wave][rank]
   std::vector<uint64_t> wave_hint_unused;
   plan.fragments.reserve(cut.size());
-  for (auto& p : cut) {
+  const bool node_local = opt.dedup && !opt.rank_node.empty();
+  if (node_local && int(opt.rank_node.size()) != W)
+    fail(ErrorCode::kInvalidArgument, "rank_node has ", opt.rank_node.size(), " entries for ", W, " target ranks");
+  std::vector<Proto> siblings;  // node-local re-reads split off below, placed after `cut`
+  if (node_local) {
+    // Never reallocated inside the loop (it holds a reference into it): a sibling per delivery at most.
+    size_t most = 0;
+    for (const auto& p : cut) most += p.dst.size();
+    siblings.reserve(most);
+  }
+  for (size_t ci = 0; ci < cut.size() + siblings.size(); ++ci) {
+    const bool sibling = ci >= cut.size();
+    Proto& p = sibling ? siblings[ci - cut.size()] : cut[ci];
     const SrcPiece& sp = src_piece(p.src);
     std::sort(p.dst.begin(), p.dst.end(), [](const Delivery& a, const Delivery& b) {
       return a.rank != b.rank ? a.rank < b.rank : (a.buffer != b.buffer ? a.buffer < b.buffer : a.base < b.base);
@@ -681,6 +693,34 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     int reader = p.dst.front().rank;
     for (const auto& d : p.dst)
       if (read_load[d.rank] < read_load[reader]) reader = d.rank;
+    if (node_local) {
+      // Other receiving ranks on the reader's node read their own copy (from the shared page
+      // cache); only ranks on other nodes get the bytes through the exchange.
+      std::vector<Delivery> keep, own;
+      int32_t own_rank = -1;
+      auto flush = [&] {
+        if (own.empty()) return;
+        Proto q;
+        q.array = p.array;
+        q.src = p.src;
+        q.box = p.box;
+        q.dst = std::move(own);
+        siblings.push_back(std::move(q));
+        own.clear();
+      };
+      for (const Delivery& d : p.dst) {  // sorted by rank
+        if (d.rank != reader && opt.rank_node[d.rank] == opt.rank_node[reader]) {
+          if (d.rank != own_rank) flush();
+          own_rank = d.rank;
+          own.push_back(d);
+        } else {
+          keep.push_back(d);
+        }
+      }
+      flush();
+      p.dst = std::move(keep);
+    }
+    if (sibling) plan.bytes_reread_on_node += bytes;
     f.reader = reader;
     read_load[reader] += bytes;
     // Ranks and bytes this fragment adds to a wave.

@@ -34,6 +34,13 @@ ReplicaPolicy replica_policy_from_name(const std::string& s);
 struct PlanOptions {
   uint64_t memory_budget = uint64_t(1) << 30;  // bytes per rank per wave (staging + receive)
   bool dedup = true;                           // read each source byte once and fan it out
+  /// Node of each target rank (index = rank; equal ids share a machine and its page cache).
+  /// Empty: every rank is its own node. With dedup, a box that several ranks need is read once
+  /// per node, not once per job: the chosen reader sends it to ranks on other nodes, and every
+  /// other receiving rank on the reader's node reads it itself from the shared page cache (one
+  /// copy out of the page cache beats two through the exchange); storage still sees each byte once
+  /// per node (Plan::bytes_reread_on_node counts the rest).
+  std::vector<int32_t> rank_node;
   /// kError: copies that differ by more than replica_atol stop the load before any write.
   /// kFirst: load the authoritative copy (lowest (pp, tp, dp) source rank), report differences.
   /// kAverage: load the element-wise mean of every saved copy (fragments carry ReplicaSources),
@@ -136,6 +143,8 @@ struct Plan {
   std::vector<RankStats> ranks;
   std::vector<std::string> notes;  // policies applied, rows dropped, weights from master, ...
   uint64_t bytes_to_read = 0;      // all ranks, load reads (replica copies averaged included)
+  uint64_t bytes_reread_on_node = 0;  // part of bytes_to_read that another rank of the same node
+                                      // also reads (served by the node's page cache, not storage)
   uint64_t bytes_needed = 0;       // distinct source bytes the target needs
   uint64_t bytes_to_exchange = 0;  // all ranks, bytes sent to another rank
   uint64_t target_bytes = 0;       // bytes of target state written

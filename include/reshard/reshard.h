@@ -22,12 +22,18 @@ struct LoadOptions {
   /// Checksum checks while loading: "off", "free" (fragments that are exactly a stored piece;
   /// no extra reads), "full" is not implemented for loads (use `reshard verify`).
   std::string verify = "free";
+  /// With dedup on, ranks that share a machine (same boot id and host name, found with one
+  /// all-gather) each read what they need from the shared page cache; only ranks on other
+  /// machines get bytes through the exchange (PlanOptions::rank_node). Off: one read per job.
+  bool node_local_reads = true;
 };
 
 struct LoadReport {
   std::string change;           // layout change in words ("tp 2->4, dp 4->2, ZeRO-1 partitions re-cut")
   std::string source_layout, target_layout, writer, path;
   uint64_t bytes_read = 0;        // all ranks, load reads
+  uint64_t bytes_reread_on_node = 0;  // of bytes_read: re-read by a second rank of one machine
+                                      // (page cache, not storage; node_local_reads)
   uint64_t bytes_needed = 0;      // distinct source bytes
   uint64_t bytes_exchanged = 0;   // all ranks, sent to another rank
   uint64_t verify_bytes_read = 0; // all ranks, replica comparison reads
@@ -56,6 +62,10 @@ struct LoadReport {
 /// failure happens after live tensors were partly written.
 LoadReport load(const CheckpointReader& checkpoint, const Layout& target, const std::vector<void*>& buffers,
                 Communicator& comm, const LoadOptions& options = {});
+
+/// Node id of every rank of comm (ranks on one machine share one id, numbered in rank order of
+/// first appearance), for PlanOptions::rank_node. Collective.
+std::vector<int32_t> node_of_ranks(Communicator& comm);
 
 /// The dry run: plan only, touching no tensor data (headers only).
 Plan plan_load(const CheckpointReader& checkpoint, const Layout& target, const PlanOptions& options, double* plan_seconds);

@@ -360,7 +360,8 @@ def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Option
                 st[kind] = t
         old = st.get("step")
         dtype = old.dtype if torch.is_tensor(old) else torch.float32
-        st["step"] = torch.tensor(float(step_value), dtype=dtype)
+        device = old.device if torch.is_tensor(old) else torch.device("cpu")
+        st["step"] = torch.tensor(float(step_value), dtype=dtype, device=device)
     glob = json.loads(src_state["json"] or "{}")
     ls = glob.get("loss_scaler") if isinstance(glob, dict) else None
     if isinstance(ls, dict) and isinstance(ls.get("state"), dict):  # DeepSpeed's LossScaler object
@@ -405,14 +406,21 @@ def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Option
     return iteration, consumed, report
 
 
+def _collective_device() -> torch.device:
+    """Where small collective tensors live: the current CUDA device on an NCCL group, else CPU."""
+    if str(dist.get_backend()) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def reshard_all_reduce_int(v: int, op: str = "sum") -> int:
-    t = torch.tensor([int(v)], dtype=torch.int64)
+    t = torch.tensor([int(v)], dtype=torch.int64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return int(t.item())
 
 
 def reshard_all_reduce_float_max(v: float) -> float:
-    t = torch.tensor([float(v)], dtype=torch.float64)
+    t = torch.tensor([float(v)], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 

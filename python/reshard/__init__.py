@@ -236,9 +236,13 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     process): every rank calls it with the same path, target layout and policies.
 
     ``tensors``: ``{buffer name: tensor}`` for every buffer of ``target`` whose rank is this rank
-    (or a list indexed like ``target.buffers`` with None for other ranks). Each tensor must be a
-    contiguous CPU tensor with the buffer's dtype and numel (shape free: a [out, in] weight or a 1-D
-    flat partition). They are written in place; nothing else is allocated at their size.
+    (or a list indexed like ``target.buffers`` with None for other ranks). Each tensor must be
+    contiguous, with the buffer's dtype and numel (shape free: a [out, in] weight or a 1-D flat
+    partition), all on one device. CPU tensors are written in place and nothing else is allocated
+    at their size. CUDA tensors (a trainer on GPUs): the state is loaded into pinned host tensors
+    (host memory = this rank's live bytes), exchanged over ``comm`` (the trainer's NCCL group by
+    default), then copied to the device tensors once the whole load succeeded; the report adds
+    "device", "device_copy_seconds" and "staged_host_bytes", and "seconds"/"gbps" include the copy.
 
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
     "bytes_read", "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes" (bytes,
@@ -249,15 +253,69 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
 
     Raises, on every rank and before any tensor is written: InvalidArgument (tensors that do not
     match the layout, strictness, shapes), DataLoss (uncovered elements, missing or short files,
-    replicas that differ under policy "error": names the tensor and max |diff|), Unsupported
-    (policy "average", GPU tensors). FailedPrecondition when a failure happens after live tensors
-    were partly written: they are then unusable and the trainer must abort.
+    replicas that differ under policy "error": names the tensor and max |diff|; a checksum
+    mismatch), InvalidArgument (tensors on several devices). FailedPrecondition when a failure
+    happens after live tensors were partly written (or a peer of the communicator fails): they are
+    then unusable and the trainer must abort.
     """
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
     comm = _default_comm(comm)
     layout = _target_layout(ckpt, target)
-    return _C.load(ckpt, layout, _tensor_list(layout, comm.rank, tensors), comm, _policies(policies), int(io_threads),
-                   str(verify))
+    tlist = _tensor_list(layout, comm.rank, tensors)
+    devices = {t.device for i, t in enumerate(tlist) if t is not None and layout.buffers[i]["rank"] == comm.rank}
+    if len(devices) > 1:
+        raise InvalidArgument(f"rank {comm.rank}'s tensors are on several devices ({', '.join(sorted(map(str, devices)))}); "
+                              "give all of them on one device")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if device.type != "cpu" or _STAGE_CPU_TENSORS_FOR_TESTS:
+        return _load_staged(ckpt, layout, tlist, comm, device, _policies(policies), int(io_threads), str(verify))
+    return _C.load(ckpt, layout, tlist, comm, _policies(policies), int(io_threads), str(verify))
+
+
+# Tests set this to run the staged path below with CPU tensors (the path GPU tensors take).
+_STAGE_CPU_TENSORS_FOR_TESTS = False
+
+
+def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify) -> dict:
+    """Loads into host tensors (pinned when the targets are CUDA tensors), then copies each to its
+    device tensor. The exchange runs over ``comm``: on a trainer's NCCL process group the
+    torch.distributed communicator moves the bytes through the GPU with NCCL. Device tensors are
+    written only after the whole load succeeded, so every error before that leaves them as they
+    were. Costs host memory equal to this rank's live bytes."""
+    import time
+    me = comm.rank
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    host: List[Optional[torch.Tensor]] = [None] * len(tlist)
+    staged = 0
+    for i, t in enumerate(tlist):
+        if t is None or layout.buffers[i]["rank"] != me:
+            continue
+        if not t.is_contiguous():
+            raise InvalidArgument(f"load: tensor for buffer {layout.buffers[i]['name']} is not contiguous")
+        host[i] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
+        staged += t.numel() * t.element_size()
+    report = _C.load(ckpt, layout, host, comm, policies, io_threads, verify)
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for i, t in enumerate(tlist):
+                if host[i] is not None:
+                    t.view(-1).copy_(host[i], non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(device)
+    except Exception as e:  # a device error after some tensors were written
+        raise FailedPrecondition(f"[rank {me}] copying the loaded state to {device} failed after device tensors were "
+                                 f"partly written; the live state is unusable and the trainer must abort: {e}") from e
+    copy_s = time.perf_counter() - t0
+    report["device"] = str(device)
+    report["device_copy_seconds"] = copy_s
+    report["staged_host_bytes"] = staged
+    report["seconds"] = report["seconds"] + copy_s
+    report["gbps"] = report["target_bytes"] / report["seconds"] / 1e9 if report["seconds"] > 0 else 0.0
+    report["policies"] = list(report["policies"]) + [
+        f"tensors on {device}: loaded into {'pinned ' if pin else ''}host staging ({staged} bytes on this rank), "
+        f"then copied to the device ({copy_s:.3f} s)"]
+    return report
 
 
 def save(root: str, step: str, layout: "Layout", tensors, *, state: Optional[Mapping] = None,

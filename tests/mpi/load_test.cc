@@ -78,12 +78,12 @@ struct LoadCase {
 };
 
 void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool dedup,
-              ReplicaPolicy policy = ReplicaPolicy::kError) {
+              ReplicaPolicy policy = ReplicaPolicy::kError, bool node_local = true) {
   Communicator& comm = world();
   const int me = comm.rank();
   Topology src = Topology::parse(c.src), dst = Topology::parse(c.dst);
   SCOPED_TRACE(c.model.name + " " + c.src + " -> " + c.dst + (dedup ? "" : " (no dedup)") + " replicas " +
-               replica_policy_name(policy));
+               replica_policy_name(policy) + (node_local ? "" : " (one read per job)"));
   const std::string root = dir + "/" + std::to_string(seed);
   if (me == 0) synth_checkpoint(root, c.model, src, seed);
   comm.barrier();
@@ -98,6 +98,7 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
     }
   LoadOptions lo;
   lo.plan.dedup = dedup;
+  lo.node_local_reads = node_local;  // off: ranks of this machine exchange (covers fan-out paths)
   lo.plan.replica_policy = policy;     // synth replicas agree: every policy loads the same bits
   lo.plan.memory_budget = 256 * 1024;  // several waves even for a tiny model
   LoadReport r = load(*ckpt, target, ptrs, comm, lo);
@@ -129,7 +130,10 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
     }
   }
   // Padding of flat partitions is zero (it was poisoned before the load).
-  Plan plan = make_plan(ckpt->source(), target, lo.plan);
+  // The plan load() made: with dedup, ranks of one machine read from the shared page cache.
+  PlanOptions po = lo.plan;
+  if (lo.node_local_reads && po.dedup && comm.size() > 1) po.rank_node = node_of_ranks(comm);
+  Plan plan = make_plan(ckpt->source(), target, po);
   for (const Fill& f : plan.fills) {
     if (f.rank != me || f.extent.ndim != 1) continue;
     const size_t es = dtype_size(target.buffers[f.buffer].dtype);
@@ -146,7 +150,8 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
   for (const ReplicaSource& rs : plan.replica_sources) replica_bytes += rs.bytes();
   if (policy != ReplicaPolicy::kAverage) EXPECT_EQ(replica_bytes, 0u);
   if (dedup) {
-    EXPECT_EQ(plan.bytes_to_read, plan.bytes_needed + replica_bytes);
+    EXPECT_EQ(plan.bytes_to_read, plan.bytes_needed + replica_bytes + plan.bytes_reread_on_node);
+    EXPECT_EQ(r.bytes_reread_on_node, plan.bytes_reread_on_node);
   } else {
     EXPECT_EQ(plan.bytes_to_exchange, 0u);
   }
@@ -188,7 +193,8 @@ TEST(MpiLoad, SynthCheckpointsLoadBitwiseUnderEveryLayout) {
   int n = 0;
   for (const auto& c : cases) {
     uint64_t s = rng() % 100000;
-    run_case(c, s, dir, /*dedup=*/n % 3 != 2, n % 4 == 1 ? ReplicaPolicy::kAverage : ReplicaPolicy::kError);
+    run_case(c, s, dir, /*dedup=*/n % 3 != 2, n % 4 == 1 ? ReplicaPolicy::kAverage : ReplicaPolicy::kError,
+             /*node_local=*/n % 2 == 1);
     ++n;
     if (::testing::Test::HasFailure()) break;
   }

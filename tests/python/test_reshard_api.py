@@ -77,6 +77,32 @@ def test_inspect_plan_load_roundtrip(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_staged_load_equals_in_place_load_and_writes_nothing_on_error(tmp_path, monkeypatch):
+    """The path CUDA tensors take (load into host staging, then copy to the device tensors), run
+    with CPU tensors: the same bits as the in-place load; the report says it staged; an error
+    leaves every tensor untouched."""
+    m = reshard.model_config(TINY)
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=1,dp=2,zero=1", 21)
+    L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
+    direct = zeros_for(L, fill=float("nan"))
+    reshard.load(str(tmp_path), L, direct)
+    monkeypatch.setattr(reshard, "_STAGE_CPU_TENSORS_FOR_TESTS", True)
+    staged = zeros_for(L, fill=float("nan"))
+    rep = reshard.load(str(tmp_path), L, staged)
+    for k in direct:
+        assert torch.equal(direct[k], staged[k]), k
+    assert rep["device"] == "cpu" and rep["staged_host_bytes"] == L.total_bytes
+    assert any("host staging" in p for p in rep["policies"]), rep["policies"]
+    # A model that the checkpoint does not cover (untied head): refused, nothing written.
+    untied = reshard.derive_layout(reshard.model_config({**TINY, "tied_embeddings": False}), "tp=1,pp=1,dp=1,zero=1")
+    live = zeros_for(untied)
+    snap = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(reshard.InvalidArgument, match="lm_head.weight"):
+        reshard.load(str(tmp_path), untied, live)
+    for k in live:
+        assert torch.equal(live[k], snap[k]), k
+
+
 def test_strict_missing_raises_before_any_write(tmp_path):
     """The checkpoint (tied) lacks lm_head.weight that the target model (untied) has."""
     reshard.synth_checkpoint(str(tmp_path), reshard.model_config(TINY), "tp=2,pp=1,dp=1,zero=1", 9)

@@ -100,13 +100,26 @@ void run_case(const Case& c, const PlanOptions& opt, bool round_trip) {
   // bytes read == bytes needed (dedup) plus the replica copies averaged; deliveries cover the
   // target exactly once
   if (opt.dedup) {
-    EXPECT_EQ(p.bytes_to_read, p.bytes_needed + replica_bytes);
+    EXPECT_EQ(p.bytes_to_read, p.bytes_needed + replica_bytes + p.bytes_reread_on_node);
   }
+  if (opt.rank_node.empty()) {
+    EXPECT_EQ(p.bytes_reread_on_node, 0u);
+  }
+  // Node-local reads: no fragment is sent to a rank on its reader's node.
+  for (const Fragment& f : p.fragments)
+    for (uint32_t k = 0; k < f.num_deliveries && !opt.rank_node.empty() && opt.dedup; ++k) {
+      const int r = p.deliveries[f.first_delivery + k].rank;
+      if (r != f.reader) {
+        ASSERT_NE(opt.rank_node[r], opt.rank_node[f.reader]) << "fragment sent within a node";
+      }
+    }
   if (!round_trip) return;
   // B -> A (A with all replicas; compare only what A's files hold: dp0 weights and every state).
   Layout A2 = derive_layout(c.model, c.a, src_opt);
   SourceLayout sb = mb.as_source(B);
-  Plan back = make_plan(sb, A2, opt);
+  PlanOptions back_opt = opt;
+  back_opt.rank_node.clear();  // the A layout has its own world size
+  Plan back = make_plan(sb, A2, back_opt);
   MemCheckpoint ma2(A2);
   simulate_plan(back, A2, mb.reader(), ma2.ptrs(), opt.replica_policy);
   int64_t vocab_rows_b = c.model.padded_vocab(c.b.tp);
@@ -132,6 +145,10 @@ TEST(PlannerProperty, RandomLayoutPairsExactCoverageAndRoundTrip) {
     opt.dedup = rng() % 4 != 0;
     opt.memory_budget = (rng() % 3 == 0) ? kMinMemoryBudget : (uint64_t(1) << 30);
     opt.replica_policy = ReplicaPolicy(rng() % 3);
+    if (rng() % 2) {  // ranks spread over 1-3 machines
+      const int nodes = 1 + int(rng() % 3);
+      for (int r = 0; r < c.b.world_size(); ++r) opt.rank_node.push_back(int32_t(rng() % nodes));
+    }
     run_case(c, opt, true);
     if (::testing::Test::HasFailure()) {
       ADD_FAILURE() << "failing case #" << ran << " (seed " << seed << ")";
