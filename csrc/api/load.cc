@@ -121,7 +121,9 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   // Every rank plans the whole job from the same inputs, so a planning error is raised on every
   // rank alike before anything is read; the executor then checks that the plans agree.
   PlanOptions po = options.plan;
-  if (options.node_local_reads && po.dedup && po.rank_node.empty() && comm.size() > 1) po.rank_node = node_of_ranks(comm);
+  // With dedup on, ranks that share a machine (same boot id and host name) each read what they
+  // need from the shared page cache; only ranks on other machines get bytes through the exchange.
+  if (po.node_local_reads && po.dedup && po.rank_node.empty() && comm.size() > 1) po.rank_node = node_of_ranks(comm);
   Plan plan = plan_load(ckpt, target, po, &r.plan_seconds);
   ExecOptions eo;
   eo.io_threads = options.io_threads;

@@ -148,7 +148,7 @@ int run_load(const LoadArgs& a) {
   LoadOptions lo;
   lo.plan.memory_budget = parse_size(a.budget, "--memory-budget");
   lo.plan.dedup = !a.no_dedup;
-  lo.node_local_reads = !a.one_read_per_job;
+  lo.plan.node_local_reads = !a.one_read_per_job;
   lo.io_threads = a.io_threads;
   lo.verify = a.verify;
   const std::vector<std::string> files = ckpt->source().files;
@@ -179,7 +179,7 @@ int run_load(const LoadArgs& a) {
     j["read_amplification"] =
         r.bytes_needed ? double(r.bytes_read - r.bytes_reread_on_node) / double(r.bytes_needed) : 1.0;
     j["read_amplification_copies"] = r.bytes_needed ? double(r.bytes_read) / double(r.bytes_needed) : 1.0;
-    j["node_local_reads"] = lo.node_local_reads;
+    j["node_local_reads"] = lo.plan.node_local_reads;
     j["peak_rss_bytes"] = comm->all_reduce_max(int64_t(peak_rss_bytes()));
     j["rss_before_load_bytes"] = comm->all_reduce_max(int64_t(rss_before));
     j["live_bytes_max_rank"] = comm->all_reduce_max(int64_t(live));

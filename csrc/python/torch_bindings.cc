@@ -134,10 +134,11 @@ PlanOptions plan_options_from_py(const py::dict& d) {
     else if (k == "dedup") o.dedup = v.cast<bool>();
     else if (k == "compare_replicas") o.compare_replicas = v.cast<bool>();
     else if (k == "weights_from_master") o.weights_from_master = v.cast<bool>();
+    else if (k == "node_local_reads") o.node_local_reads = v.cast<bool>();
     else
       fail(ErrorCode::kInvalidArgument, "unknown policy '", k,
            "' (known: replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup, "
-           "compare_replicas, weights_from_master)");
+           "compare_replicas, weights_from_master, node_local_reads)");
   }
   return o;
 }
@@ -152,6 +153,7 @@ py::dict plan_options_to_py(const PlanOptions& o) {
   d["dedup"] = o.dedup;
   d["compare_replicas"] = o.compare_replicas;
   d["weights_from_master"] = o.weights_from_master;
+  d["node_local_reads"] = o.node_local_reads;
   return d;
 }
 

@@ -41,6 +41,9 @@ struct PlanOptions {
   /// copy out of the page cache beats two through the exchange); storage still sees each byte once
   /// per node (Plan::bytes_reread_on_node counts the rest).
   std::vector<int32_t> rank_node;
+  /// For load(): fill rank_node from the machines the ranks run on (one all-gather). Off: one read
+  /// per job, ranks of a machine exchange shared bytes.
+  bool node_local_reads = true;
   /// kError: copies that differ by more than replica_atol stop the load before any write.
   /// kFirst: load the authoritative copy (lowest (pp, tp, dp) source rank), report differences.
   /// kAverage: load the element-wise mean of every saved copy (fragments carry ReplicaSources),

@@ -22,10 +22,6 @@ struct LoadOptions {
   /// Checksum checks while loading: "off", "free" (fragments that are exactly a stored piece;
   /// no extra reads), "full" is not implemented for loads (use `reshard verify`).
   std::string verify = "free";
-  /// With dedup on, ranks that share a machine (same boot id and host name, found with one
-  /// all-gather) each read what they need from the shared page cache; only ranks on other
-  /// machines get bytes through the exchange (PlanOptions::rank_node). Off: one read per job.
-  bool node_local_reads = true;
 };
 
 struct LoadReport {

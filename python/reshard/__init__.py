@@ -55,7 +55,7 @@ _REPO_CONFIGS = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname
                               "configs", "models")
 
 _POLICY_KEYS = ("replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes", "dedup",
-                "compare_replicas", "weights_from_master")
+                "compare_replicas", "weights_from_master", "node_local_reads")
 
 
 def model_config(model: Union[str, Mapping, "ModelConfig"]) -> "ModelConfig":
@@ -173,7 +173,9 @@ def plan(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], *, step=N
 
     ``policies``: replicas ("error" | "average" | "first"), replica_atol (float, absolute),
     strict_missing, strict_unexpected (bool), memory_budget_bytes (int, per rank per wave) or
-    memory_budget_gib, dedup, compare_replicas, weights_from_master (bool).
+    memory_budget_gib, dedup, compare_replicas, weights_from_master, node_local_reads (bool; load
+    only: ranks of one machine each copy shared bytes out of the page cache instead of exchanging
+    them, default on).
 
     Raises DataLoss (elements no file covers, listed per tensor), InvalidArgument (missing or
     unexpected tensors under strictness, shape mismatches, a budget below 64 KiB), and the errors
@@ -359,7 +361,7 @@ def load_resume_config(path: str) -> dict:
     """Reads a resume policy file (configs/resume/*.yaml): ``{"checkpoint" (root), "step" ("" =
     latest), "model" (file or ""), "target" (topology string), "target_topology" {tp, pp, vpp, dp,
     zero}, "policies" {replicas, replica_atol, strict_missing, strict_unexpected,
-    memory_budget_bytes, dedup, compare_replicas, weights_from_master}}``.
+    memory_budget_bytes, dedup, compare_replicas, weights_from_master, node_local_reads}}``.
 
     Raises NotFound for a missing file, InvalidArgument naming the field otherwise."""
     return _C.load_resume_config(str(path))

@@ -98,7 +98,7 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
     }
   LoadOptions lo;
   lo.plan.dedup = dedup;
-  lo.node_local_reads = node_local;  // off: ranks of this machine exchange (covers fan-out paths)
+  lo.plan.node_local_reads = node_local;  // off: ranks of this machine exchange (covers fan-out paths)
   lo.plan.replica_policy = policy;     // synth replicas agree: every policy loads the same bits
   lo.plan.memory_budget = 256 * 1024;  // several waves even for a tiny model
   LoadReport r = load(*ckpt, target, ptrs, comm, lo);
@@ -132,7 +132,7 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
   // Padding of flat partitions is zero (it was poisoned before the load).
   // The plan load() made: with dedup, ranks of one machine read from the shared page cache.
   PlanOptions po = lo.plan;
-  if (lo.node_local_reads && po.dedup && comm.size() > 1) po.rank_node = node_of_ranks(comm);
+  if (po.node_local_reads && po.dedup && comm.size() > 1) po.rank_node = node_of_ranks(comm);
   Plan plan = make_plan(ckpt->source(), target, po);
   for (const Fill& f : plan.fills) {
     if (f.rank != me || f.extent.ndim != 1) continue;

@@ -239,9 +239,16 @@ m = reshard.model_config(dict(name="t", num_layers=2, hidden=16, ffn=32, heads=4
                               vocab_divisible_by=8, swiglu=True, tied_embeddings=True, param_dtype="f32"))
 L = reshard.derive_layout(m, "tp=1,pp=2,dp=2,zero=1")
 ts = {b["name"]: torch.full((b["numel"],), float("nan")) for b in L.buffers if b["rank"] == r}
-rep = reshard.load(sys.argv[1], L, ts)
+# One read per job: the ranks (all on this machine) exchange the dp-replicated weights over gloo
+# instead of each copying them out of the page cache, so the exchange path runs.
+rep = reshard.load(sys.argv[1], L, ts, policies={"node_local_reads": False})
 assert all(not torch.isnan(t).any() for t in ts.values())
 assert rep["bytes_exchanged"] > 0
+# Node-local reads (the default): the same values with nothing exchanged.
+ts2 = {k: torch.full_like(v, float("nan")) for k, v in ts.items()}
+rep2 = reshard.load(sys.argv[1], L, ts2)
+assert rep2["bytes_exchanged"] == 0 and rep2["bytes_reread_on_node"] > 0, rep2
+assert all(torch.equal(ts[k], ts2[k]) for k in ts)
 print("OK", r, flush=True)
 dist.destroy_process_group()
 '''
