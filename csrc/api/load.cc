@@ -126,6 +126,8 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   if (po.node_local_reads && po.dedup && po.rank_node.empty() && comm.size() > 1) po.rank_node = node_of_ranks(comm);
   Plan plan = plan_load(ckpt, target, po, &r.plan_seconds);
   ExecOptions eo;
+  if (options.io_threads < 1 || options.io_threads > 1024)
+    fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024");
   eo.io_threads = options.io_threads;
   eo.replica_policy = options.plan.replica_policy;
   eo.replica_atol = options.plan.replica_atol;

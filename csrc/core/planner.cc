@@ -263,6 +263,8 @@ uint64_t Plan::hash() const {
 }
 
 Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptions& opt) {
+  if (!(opt.replica_atol >= 0))
+    fail(ErrorCode::kInvalidArgument, "replica tolerance (replica_atol) ", opt.replica_atol, " must be >= 0");
   if (opt.memory_budget < kMinMemoryBudget)
     fail(ErrorCode::kInvalidArgument, "memory budget ", opt.memory_budget, " bytes is below the minimum of ",
          kMinMemoryBudget, " bytes (64 KiB); a wave must hold at least one chunk of a piece");

@@ -1,6 +1,8 @@
 #include "reshard/topology.h"
 
+#include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdlib>
 #include <sstream>
 #include <vector>
@@ -22,6 +24,7 @@ Topology Topology::parse(const std::string& text) {
     if (!std::isspace(static_cast<unsigned char>(c))) s += c;
   if (s.empty()) fail(ErrorCode::kInvalidArgument, "layout '", text, "' is empty (expected e.g. tp=2,pp=2,dp=4,zero=1)");
   size_t pos = 0;
+  std::vector<std::string> seen;
   while (pos <= s.size()) {
     size_t comma = s.find(',', pos);
     if (comma == std::string::npos) comma = s.size();
@@ -35,10 +38,15 @@ Topology Topology::parse(const std::string& text) {
     if (eq == std::string::npos)
       fail(ErrorCode::kInvalidArgument, "layout '", text, "': item '", item, "' is not key=value");
     std::string key = item.substr(0, eq), val = item.substr(eq + 1);
+    if (std::find(seen.begin(), seen.end(), key) != seen.end())
+      fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, " is given twice");
+    seen.push_back(key);
     char* end = nullptr;
+    errno = 0;
     long v = std::strtol(val.c_str(), &end, 10);
     if (val.empty() || *end != '\0')
       fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, "='", val, "' is not an integer");
+    if (errno == ERANGE) fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, "=", val, " is out of range");
     int* field = nullptr;
     if (key == "tp") field = &t.tp;
     else if (key == "pp") field = &t.pp;

@@ -6,6 +6,8 @@
 
 #include <pybind11/stl.h>
 
+#include <type_traits>
+
 #include "python/torch_comm.h"
 #include "reshard/checkpoint.h"
 #include "reshard/config.h"
@@ -124,17 +126,40 @@ py::list buffers_to_py(const Layout& L) {
 PlanOptions plan_options_from_py(const py::dict& d) {
   PlanOptions o;
   for (auto item : d) {
-    const std::string k = item.first.cast<std::string>();
+    const std::string k = py::str(item.first).cast<std::string>();
     py::handle v = item.second;
-    if (k == "replicas") o.replica_policy = replica_policy_from_name(v.cast<std::string>());
-    else if (k == "replica_atol") o.replica_atol = v.cast<double>();
-    else if (k == "strict_missing") o.strict_missing = v.cast<bool>();
-    else if (k == "strict_unexpected") o.strict_unexpected = v.cast<bool>();
-    else if (k == "memory_budget_bytes") o.memory_budget = v.cast<uint64_t>();
-    else if (k == "dedup") o.dedup = v.cast<bool>();
-    else if (k == "compare_replicas") o.compare_replicas = v.cast<bool>();
-    else if (k == "weights_from_master") o.weights_from_master = v.cast<bool>();
-    else if (k == "node_local_reads") o.node_local_reads = v.cast<bool>();
+    // A value of the wrong type is the caller's mistake: InvalidArgument naming the policy.
+    auto as = [&](auto* out, const char* type) {
+      using T = std::remove_pointer_t<decltype(out)>;
+      const bool is_bool = py::isinstance<py::bool_>(v);
+      bool ok = false;
+      if constexpr (std::is_same_v<T, bool>) ok = is_bool;
+      else if constexpr (std::is_same_v<T, std::string>) ok = py::isinstance<py::str>(v);
+      else if constexpr (std::is_floating_point_v<T>) ok = !is_bool && (py::isinstance<py::float_>(v) || py::isinstance<py::int_>(v));
+      else ok = !is_bool && py::isinstance<py::int_>(v);
+      if (ok) {
+        try {
+          *out = v.cast<T>();
+        } catch (const py::cast_error&) {
+          ok = false;  // e.g. a negative int for a byte count
+        }
+      }
+      if (!ok)
+        fail(ErrorCode::kInvalidArgument, "policy '", k, "' must be ", type, ", got ", py::repr(v).cast<std::string>());
+    };
+    std::string name;
+    if (k == "replicas") { as(&name, "a string (error, average or first)"); o.replica_policy = replica_policy_from_name(name); }
+    else if (k == "replica_atol") {
+      as(&o.replica_atol, "a number");
+      if (!(o.replica_atol >= 0)) fail(ErrorCode::kInvalidArgument, "policy 'replica_atol' must be >= 0, got ", o.replica_atol);
+    }
+    else if (k == "strict_missing") as(&o.strict_missing, "True or False");
+    else if (k == "strict_unexpected") as(&o.strict_unexpected, "True or False");
+    else if (k == "memory_budget_bytes") as(&o.memory_budget, "a non-negative integer (bytes)");
+    else if (k == "dedup") as(&o.dedup, "True or False");
+    else if (k == "compare_replicas") as(&o.compare_replicas, "True or False");
+    else if (k == "weights_from_master") as(&o.weights_from_master, "True or False");
+    else if (k == "node_local_reads") as(&o.node_local_reads, "True or False");
     else
       fail(ErrorCode::kInvalidArgument, "unknown policy '", k,
            "' (known: replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup, "

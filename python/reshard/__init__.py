@@ -146,9 +146,14 @@ def inspect(path: str, *, step: Optional[Union[str, int]] = None, model: Optiona
 
 
 def _policies(policies: Optional[Mapping]) -> dict:
+    if policies is not None and not isinstance(policies, Mapping):
+        raise InvalidArgument(f"policies must be a dict such as {{'replicas': 'first'}}, got {policies!r}")
     p = dict(policies or {})
     if "memory_budget_gib" in p:
-        p["memory_budget_bytes"] = int(float(p.pop("memory_budget_gib")) * 2**30)
+        gib = p.pop("memory_budget_gib")
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+            raise InvalidArgument(f"policy 'memory_budget_gib' must be a positive number, got {gib!r}")
+        p["memory_budget_bytes"] = int(float(gib) * 2**30)
     for k in p:
         if k not in _POLICY_KEYS:
             raise InvalidArgument(f"unknown policy '{k}' (known: {', '.join(_POLICY_KEYS)}, memory_budget_gib)")
@@ -223,10 +228,17 @@ def _tensor_list(layout: "Layout", rank: int, tensors) -> List[Optional[torch.Te
         if missing:
             raise InvalidArgument(f"rank {rank} has no tensor for buffer(s) {', '.join(sorted(missing)[:8])}"
                                   f"{' ...' if len(missing) > 8 else ''} of layout {layout.topology}")
-        return out
-    out = list(tensors)
-    if len(out) != len(bufs):
-        raise InvalidArgument(f"got {len(out)} tensors for a layout of {len(bufs)} buffers")
+    else:
+        try:
+            out = list(tensors)
+        except TypeError:
+            raise InvalidArgument(f"tensors must be a dict {{buffer name: tensor}} or a list indexed like the layout's "
+                                  f"buffers, got {type(tensors).__name__}") from None
+        if len(out) != len(bufs):
+            raise InvalidArgument(f"got {len(out)} tensors for a layout of {len(bufs)} buffers")
+    for i, t in enumerate(out):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"the tensor for buffer {bufs[i]['name']} is a {type(t).__name__}, not a torch.Tensor")
     return out
 
 

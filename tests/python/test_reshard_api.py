@@ -103,6 +103,31 @@ def test_staged_load_equals_in_place_load_and_writes_nothing_on_error(tmp_path, 
         assert torch.equal(live[k], snap[k]), k
 
 
+def test_wrong_argument_types_are_invalid_argument(tmp_path):
+    """Policies and tensors of the wrong type raise InvalidArgument naming what is wrong (a
+    fresh-clone user got raw binding errors and a misleading device message before)."""
+    m = reshard.model_config(TINY)
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=1,pp=1,dp=1,zero=1", 2)
+    L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
+    live = zeros_for(L)
+    for pol, words in [({"replicas": None}, "policy 'replicas' must be a string"),
+                       ({"memory_budget_gib": -1.0}, "memory_budget_gib' must be a positive number"),
+                       ({"memory_budget_bytes": 1.5e6}, "memory_budget_bytes' must be a non-negative integer"),
+                       ({"replica_atol": "x"}, "replica_atol' must be a number"),
+                       ({"replica_atol": -1.0}, "replica_atol' must be >= 0"),
+                       ({"dedup": "maybe"}, "policy 'dedup' must be True or False"),
+                       ("average", "policies must be a dict")]:
+        with pytest.raises(reshard.InvalidArgument, match=words.replace("(", r"\(")):
+            reshard.load(str(tmp_path), L, live, policies=pol)
+    k = next(iter(live))
+    with pytest.raises(reshard.InvalidArgument, match=f"{k} is a ndarray, not a torch.Tensor"):
+        reshard.load(str(tmp_path), L, {**live, k: live[k].numpy()})
+    with pytest.raises(reshard.InvalidArgument, match="tensors must be a dict"):
+        reshard.load(str(tmp_path), L, 5)
+    with pytest.raises(reshard.InvalidArgument, match="io_threads=0"):
+        reshard.load(str(tmp_path), L, live, io_threads=0)
+
+
 def test_strict_missing_raises_before_any_write(tmp_path):
     """The checkpoint (tied) lacks lm_head.weight that the target model (untied) has."""
     reshard.synth_checkpoint(str(tmp_path), reshard.model_config(TINY), "tp=2,pp=1,dp=1,zero=1", 9)

@@ -1,7 +1,9 @@
 // ZIP directory reader and archive-level checks on synthetic archives (built here, in memory).
 // Layouts per PKWARE APPNOTE; torch conventions per formats.md section 5.1.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -394,6 +396,8 @@ TEST(ParseTorchArchive, FileSourceErrors) {
   e = expect_error([&] { fs.read(z.size() - 2, 4, v); });
   EXPECT_EQ(e.code(), ErrorCode::kDataLoss);
   EXPECT_TRUE(has(e, path));
+  std::remove(path.c_str());
+  ::rmdir(dir.c_str());
 }
 
 }  // namespace

@@ -344,6 +344,10 @@ TEST(ReliabilityTopology, ModelThatDoesNotFitIsRefusedNamingTheField) {
   EXPECT_HAS(msg, "tp=0");
   msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=2,dq=2"); });
   EXPECT_HAS(msg, "dq");
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=2,tp=4"); });
+  EXPECT_HAS(msg, "tp is given twice");
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=99999999999999999999"); });
+  EXPECT_HAS(msg, "tp=99999999999999999999 is out of range");
 
   Ckpt c("world", m, "tp=1,dp=1,zero=1");
   auto ck = open_checkpoint(c.root);
