@@ -109,12 +109,32 @@ def canonical_name(live: str, cfg: M.GPTConfig) -> str:
     raise reshard.InvalidArgument(f"live parameter {live}: spec index {idx} is not a layer of a {L}-layer GPTModelPipe")
 
 
+class _Bf16OptimizerView:
+    """DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation) under the attribute names
+    this hook reads from DeepSpeedZeroOptimizer. The partitioning is the same (facts from
+    deepspeed/runtime/bf16_optimizer.py, 0.19): each param group is flattened with alignment
+    2 x dp (bf16_groups_flat), cut into dp equal contiguous partitions (bf16_partitioned_groups),
+    and this rank keeps an fp32 copy of its partition (fp32_groups_flat_partition), which is the
+    parameter the torch optimizer's state is keyed by. BF16 has no loss scaler."""
+
+    def __init__(self, opt):
+        self.optimizer = opt.optimizer
+        self.bit16_groups = opt.bf16_groups
+        self.bit16_groups_flat = opt.bf16_groups_flat
+        self.single_partition_of_fp32_groups = opt.fp32_groups_flat_partition
+        self.parallel_partitioned_bit16_groups = opt.bf16_partitioned_groups
+
+
 def _zero_optimizer(engine):
     zopt = engine.optimizer
+    if all(hasattr(zopt, a) for a in ("bf16_groups", "bf16_groups_flat", "fp32_groups_flat_partition",
+                                      "bf16_partitioned_groups")):
+        return _Bf16OptimizerView(zopt)
     needed = ("bit16_groups", "bit16_groups_flat", "single_partition_of_fp32_groups")
     if not all(hasattr(zopt, a) for a in needed):
         raise reshard.Unsupported(
-            f"reshard_load fills DeepSpeed's ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer); this engine's optimizer is "
+            f"reshard_load fills DeepSpeed's ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer) and BF16_Optimizer; this "
+            f"engine's optimizer is "
             f"{type(zopt).__name__} (ZeRO stage {engine.zero_optimization_stage()}, bf16 {engine.bfloat16_enabled()})")
     return zopt
 

@@ -8,7 +8,8 @@ format and reshard's native one, with state dumps) feeds:
   * tp=1,pp=2,dp=4 and tp=4,pp=1,dp=2: the consolidated state equals the source's bitwise; the
     logits match; step is restored, not incremented, and the first update after resume equals
     iteration 4 of the uninterrupted run (failures.md B06, B08, B13, B04);
-and a GQA + SwiGLU + untied model goes tp=2,pp=2 -> tp=4,pp=1 (B08, B12, B13).
+a GQA + SwiGLU + untied model goes tp=2,pp=2 -> tp=4,pp=1 (B08, B12, B13); and a bf16 run
+(DeepSpeed's BF16_Optimizer) goes tp=2,pp=2 -> tp=1,pp=2,dp=2.
 Each job starts live state scrambled to NaN, so every element must be written by the load.
 About 6 minutes on 2 cores (8-rank jobs are mostly start-up).
 """
@@ -232,3 +233,21 @@ def test_deepspeed_tp_replica_divergence(source, tmp_path):
     assert w[5].item() == want.item() != original
     assert torch.equal(w[:5], first[:5]) and torch.equal(w[6:], first[6:])
     assert any("layers.0.input_layernorm.weight" in s for s in rep["replica_report"])
+
+
+def test_bf16_optimizer_tp2pp2_to_tp1pp2dp2(tmp_path):
+    """bf16 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, not the ZeRO-1
+    optimizer: reshard_load fills it in place from its own DeepSpeed checkpoint and from the
+    native one, at a new layout, bitwise for every state kind."""
+    tmp = str(tmp_path)
+    cfg = cfg_dict()
+    job(tmp, "src", 2, 2, 1, ["--bf16", "--dump-dir", f"{tmp}/src", "--dump-at-save", "--eval", "--save", f"{tmp}/ds",
+                              "--save-native", f"{tmp}/native", "--steps", "2"])
+    assert reshard.inspect(f"{tmp}/ds")["writer"] == "deepspeed-bf16"
+    a = consolidate(f"{tmp}/src/it2", cfg)
+    for fmt in ("ds", "native"):
+        job(tmp, f"dst_{fmt}", 1, 2, 2, ["--bf16", "--dump-dir", f"{tmp}/dst_{fmt}", "--scramble", "--eval", "--load",
+                                         f"{tmp}/{fmt}", "--load-with", "reshard", "--exit-after-load"])
+        assert_same_consolidated(a, consolidate(f"{tmp}/dst_{fmt}/load", cfg), f"bf16 {fmt}")
+        la, lb = load_dump(f"{tmp}/src/it2")[0]["eval_loss"], load_dump(f"{tmp}/dst_{fmt}/load")[0]["eval_loss"]
+        assert abs(la - lb) <= 1e-3 * abs(la), (fmt, la, lb)  # bf16 matmuls split differently at tp=1
