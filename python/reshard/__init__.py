@@ -35,7 +35,7 @@ __all__ = [
     "Error", "InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal",
     "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "model_tensors", "derive_layout", "build_layout",
     "open_checkpoint", "inspect", "plan", "load", "save", "save_all_ranks", "communicator", "local_communicator",
-    "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint",
+    "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint", "allocate",
 ]
 
 Error = _C.Error
@@ -98,6 +98,32 @@ def derive_layout(model, topology: str, *, weights_on_dp0_only: bool = False, op
     Raises InvalidArgument when the model does not fit the topology (names the field and rule).
     """
     return _C.build_layout(model_config(model), topology, None, None, weights_on_dp0_only, optimizer, align_factor)
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}
+
+
+def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[float] = None) -> Dict[str, torch.Tensor]:
+    """New 1-D tensors for every buffer of ``layout`` that belongs to ``rank``: ``{buffer name:
+    tensor}`` with the buffer's dtype and numel, ready for :func:`load` (scratch, tests, tools;
+    a trainer passes its own parameters and optimizer state instead). ``fill``: a value to fill
+    them with (NaN makes unwritten elements easy to spot); None leaves them uninitialised.
+
+    Raises InvalidArgument for a rank outside the layout's world size."""
+    world = parse_topology(layout.topology)["world_size"]
+    if not 0 <= int(rank) < world:
+        raise InvalidArgument(f"rank {rank} is outside layout {layout.topology} (world size {world})")
+    out = {}
+    for b in layout.buffers:
+        if b["rank"] != rank:
+            continue
+        t = torch.empty(b["numel"], dtype=_TORCH_DTYPES[b["dtype"]], device=device)
+        if fill is not None:
+            t.fill_(fill)
+        out[b["name"]] = t
+    return out
 
 
 def build_layout(model, topology: str, *, stages: Optional[Mapping[str, Sequence[int]]] = None,

@@ -103,6 +103,19 @@ def test_staged_load_equals_in_place_load_and_writes_nothing_on_error(tmp_path, 
         assert torch.equal(live[k], snap[k]), k
 
 
+def test_allocate_gives_tensors_load_accepts(tmp_path):
+    m = reshard.model_config(TINY)
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=1,dp=1,zero=1", 4)
+    L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
+    live = reshard.allocate(L, fill=float("nan"))
+    assert set(live) == {b["name"] for b in L.buffers}
+    assert all(live[b["name"]].numel() == b["numel"] and live[b["name"]].dtype == _DT[b["dtype"]] for b in L.buffers)
+    reshard.load(str(tmp_path), L, live)
+    assert all(not torch.isnan(t).any() for t in live.values())
+    with pytest.raises(reshard.InvalidArgument, match="rank 1 is outside layout"):
+        reshard.allocate(L, 1)
+
+
 def test_wrong_argument_types_are_invalid_argument(tmp_path):
     """Policies and tensors of the wrong type raise InvalidArgument naming what is wrong (a
     fresh-clone user got raw binding errors and a misleading device message before)."""
