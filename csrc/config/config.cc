@@ -138,7 +138,8 @@ ResumeConfig load_resume_config(const std::string& path) {
   }
   if (const YAML::Node p = n["policies"]) {
     check_keys(p, {"replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes",
-                   "memory_budget_gib", "dedup"}, path, "policies.");
+                   "memory_budget_gib", "dedup", "compare_replicas", "weights_from_master", "node_local_reads"},
+               path, "policies.");
     try {
       rc.plan.replica_policy = replica_policy_from_name(get<std::string>(p, "replicas", path, "error"));
     } catch (const Error& e) {
@@ -151,6 +152,9 @@ ResumeConfig load_resume_config(const std::string& path) {
     if (p["memory_budget_gib"]) rc.plan.memory_budget = uint64_t(get<double>(p, "memory_budget_gib", path, 1.0) * double(1ull << 30));
     rc.plan.memory_budget = get<uint64_t>(p, "memory_budget_bytes", path, rc.plan.memory_budget);
     rc.plan.dedup = get<bool>(p, "dedup", path, true);
+    rc.plan.compare_replicas = get<bool>(p, "compare_replicas", path, true);
+    rc.plan.weights_from_master = get<bool>(p, "weights_from_master", path, true);
+    rc.plan.node_local_reads = get<bool>(p, "node_local_reads", path, true);
   }
   return rc;
 }

@@ -28,7 +28,8 @@ struct ResumeConfig {
   PlanOptions plan;           // replica policy and tolerance, strictness, memory budget, dedup
 };
 /// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=..", policies: {replicas: error|average|first,
-/// replica_atol, strict_missing, strict_unexpected, memory_budget_bytes (or memory_budget_gib), dedup}.
+/// replica_atol, strict_missing, strict_unexpected, memory_budget_bytes (or memory_budget_gib), dedup,
+/// compare_replicas, weights_from_master, node_local_reads}.
 ResumeConfig load_resume_config(const std::string& path);
 
 }  // namespace reshard

@@ -233,6 +233,7 @@ def test_resume_configs():
     rc = reshard.load_resume_config(os.path.join(d, "demo_tp1_pp2_dp4.yaml"))
     assert (rc["target_topology"]["tp"], rc["target_topology"]["pp"], rc["target_topology"]["dp"]) == (1, 2, 4)
     assert rc["step"] == "24" and rc["policies"]["memory_budget_bytes"] == 2**30
+    assert rc["policies"]["node_local_reads"] is True and rc["policies"]["compare_replicas"] is True
 
 
 COMM_CHECK = r'''
