@@ -169,12 +169,17 @@ TEST(ReliabilitySaveKill, ManyRandomKillsNeverLoseTheLastCompleteCheckpoint) {
     load(*r, t, ptrs, *comm);
   }
   int temporaries = 0;
-  for (const auto& n : io::list_dir(root)) temporaries += n[0] == '.';
+  std::string names;
+  for (const auto& n : io::list_dir(root))
+    if (n[0] == '.') {
+      ++temporaries;
+      names += " " + n;
+    }
   std::printf("kills: %d in %.1f s (seed %llu); leftover temporaries: %d\n", done,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(),
               (unsigned long long)seed, temporaries);
   // That save also removed the dead temporaries of the killed ones (each can be checkpoint-sized).
-  EXPECT_EQ(temporaries, 0);
+  EXPECT_EQ(temporaries, 0) << names;
   io::remove_all(root);
 }
 

@@ -120,8 +120,19 @@ std::string build_metadata(const std::string& step, const Layout& L, const NonTe
   return meta.dump(1) + "\n";
 }
 
-// ".tmp-<step>-<16 hex>", ".old-<step>-<16 hex>" or ".latest-<16 hex>" of any save.
+// ".tmp-<step>-<16 hex>", ".old-<step>-<16 hex>" or ".latest-<16 hex>" of any save, or the
+// ".reshard-fscheck-<16 hex>-<rank>" token of a collective save killed before it removed it.
 bool is_any_leftover(const std::string& name) {
+  const std::string token = ".reshard-fscheck-";
+  if (name.rfind(token, 0) == 0) {
+    const size_t dash = token.size() + 16;
+    if (name.size() <= dash + 1 || name[dash] != '-') return false;
+    for (size_t i = token.size(); i < dash; ++i)
+      if (!std::isxdigit(static_cast<unsigned char>(name[i]))) return false;
+    for (size_t i = dash + 1; i < name.size(); ++i)
+      if (!std::isdigit(static_cast<unsigned char>(name[i]))) return false;
+    return true;
+  }
   const bool kind = name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0 || name.rfind(".latest-", 0) == 0;
   if (!kind || name.size() < 17 + 5 || name[name.size() - 17] != '-') return false;
   for (size_t i = name.size() - 16; i < name.size(); ++i)
