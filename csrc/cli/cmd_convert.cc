@@ -34,6 +34,7 @@ namespace {
 struct ConvertArgs {
   std::string in, out, target, budget, step, source_step, model, verify = "full";
   bool no_dedup = false;
+  bool overwrite = false;  // replace an existing OUT/<step> (atomically); otherwise refused
 };
 
 
@@ -130,6 +131,8 @@ Command convert_command() {
                   "that are whole stored pieces), off")
         ->check(CLI::IsMember({"full", "free", "off"}));
     s->add_flag("--no-dedup", a->no_dedup, "Each rank reads what it needs (no fan-out)");
+    s->add_flag("--overwrite", a->overwrite, "Replace OUT's step folder if it exists (atomically); without it "
+                "an existing step is refused");
     return s;
   };
   c.run = [a]() -> int {
@@ -173,6 +176,9 @@ Command convert_command() {
       if (io::is_dir(io::join(a->out, step)) && real_path(io::join(a->out, step)) == real_path(ckpt->path()))
         fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " step ", step,
              " is the source step folder itself; write elsewhere or choose --step");
+      if (io::is_dir(io::join(a->out, step)) && !a->overwrite)
+        fail(ErrorCode::kInvalidArgument, "convert: ", io::join(a->out, step),
+             " already holds a checkpoint; pass --overwrite to replace it or choose another --step");
 
       // Plan first: coverage errors (missing files, uncovered ranges) before any read.
       Plan plan;

@@ -79,6 +79,15 @@ def test_convert_step_name_option(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b" / "mystep" / "metadata.json").is_file()
     assert_bitwise_equal(a, tmp_path / "b")
+    # The same OUT step again: refused (a converted checkpoint is never replaced silently), then
+    # replaced with --overwrite.
+    before = (tmp_path / "b" / "mystep" / "metadata.json").read_bytes()
+    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=1,zero=1", "--step", "mystep")
+    assert r.returncode == 2 and "already holds a checkpoint; pass --overwrite" in r.stderr, r.stderr
+    assert (tmp_path / "b" / "mystep" / "metadata.json").read_bytes() == before
+    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=1,zero=1", "--step", "mystep", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert "dp=1," in json.loads((tmp_path / "b" / "mystep" / "metadata.json").read_text())["topology"]
 
 
 MPIRUN = shutil.which("mpirun")
