@@ -21,51 +21,22 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
+
+from integration.megatron_deepspeed.launch import mpirun_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ["--layers", "4", "--hidden", "64", "--heads", "8", "--query-groups", "4", "--ffn", "128", "--seq-length",
          "32", "--micro-batch", "2", "--global-batch", "8", "--lr", "1e-3"]
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cleanup_shm(port):
-    """DeepSpeed's CPU shm allreduce op leaves /dev/shm/deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>
-    (about 69 MB per rank) after every job; remove this job's (its port is ours alone)."""
-    import glob
-    for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-        try:
-            os.unlink(f)
-        except OSError:
-            pass
-
-
 def run(name, tp, pp, dp, module, extra, out, timeout):
     world = tp * pp * dp
     log = os.path.join(out, f"{name}.json")
-    cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(world), sys.executable,
-           "-m", f"integration.megatron_deepspeed.{module}"] + extra + [
-               "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--log-json", log, "--quiet"] + MODEL
-    port = _port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"), REPO]),
-               # DeepSpeed JIT-builds its CPU shm op at init; a per-venv build folder keeps jobs of
-               # other checkouts (another venv) from invalidating it or holding its lock.
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".venv", "torch_extensions")))
     t0 = time.time()
     print(f"[demo] {name}: tp={tp},pp={pp},dp={dp} ({world} ranks)", flush=True)
-    try:
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    finally:
-        cleanup_shm(port)
+    r, cmd = mpirun_module(module, tp, pp, dp, list(extra) + ["--log-json", log, "--quiet"] + MODEL, timeout)
     with open(os.path.join(out, f"{name}.log"), "w") as f:
         f.write(" ".join(cmd) + "\n" + r.stdout + "\n--- stderr\n" + r.stderr)
     if r.returncode != 0:

@@ -17,8 +17,6 @@ About 6 minutes on 2 cores (8-rank jobs are mostly start-up).
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -32,6 +30,7 @@ if shutil.which("mpirun") is None:
     pytest.skip("mpirun not found", allow_module_level=True)
 
 from integration.megatron_deepspeed import model as M  # noqa: E402
+from integration.megatron_deepspeed.launch import mpirun_module  # noqa: E402
 from integration.megatron_deepspeed.reshard_hook import model_config_dict  # noqa: E402
 from integration.megatron_deepspeed.state_dump import consolidate, gather_logits, load_dump  # noqa: E402
 
@@ -43,38 +42,9 @@ GQA = ["--query-groups", "4", "--swiglu", "--untied"]
 KINDS = ("weight", "fp32", "exp_avg", "exp_avg_sq")
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cleanup_shm(port):
-    """DeepSpeed's CPU shm allreduce op leaves /dev/shm/deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>
-    (about 69 MB per rank) after every job; remove this job's (its port is ours alone)."""
-    import glob
-    for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-        try:
-            os.unlink(f)
-        except OSError:
-            pass
-
-
 def job(tmp, name, tp, pp, dp, extra, model=MODEL, timeout=400):
     log = os.path.join(tmp, f"{name}.json")
-    cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(tp * pp * dp),
-           sys.executable, "-m", "integration.megatron_deepspeed.state_dump", "--tp", str(tp), "--pp", str(pp), "--dp",
-           str(dp), "--log-json", log, "--quiet"] + model + list(extra)
-    port = _port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"), REPO]),
-               # DeepSpeed JIT-builds its CPU shm op at init; a per-venv build folder keeps jobs of
-               # other checkouts (another venv) from invalidating it or holding its lock.
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".venv", "torch_extensions")))
-    try:
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    finally:
-        cleanup_shm(port)
+    r, cmd = mpirun_module("state_dump", tp, pp, dp, ["--log-json", log, "--quiet"] + model + list(extra), timeout)
     assert r.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-6000:]}"
     if os.path.exists(log):
         with open(log) as f:
