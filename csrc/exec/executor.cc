@@ -240,7 +240,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   };
   // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
   // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's
-  // page faults: the exchange of the first wave ran at half speed without it).
+  // page faults).
   struct Grow {
     uint8_t* p = nullptr;
     uint64_t cap = 0;
@@ -286,7 +286,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       // Bytes many ranks need go out as one broadcast inside the group of their receivers (a tree),
       // not as one send per receiver from the reader.
       const bool fan = remote_ranks(plan, f) >= kFanoutMinReceivers;
-      const uint8_t* map = (f.reader == me && opt.use_mmap && f.num_replicas == 0) ? source.mapped(f.file) : nullptr;
+      // Copy out of the reader's read-only file mapping where it has one (one copy from the page
+      // cache into the live tensor or send slot, no staging); readers without mappings, and
+      // fragments averaged from replicas, take positioned reads into staging.
+      const uint8_t* map = (f.reader == me && f.num_replicas == 0) ? source.mapped(f.file) : nullptr;
       const uint8_t* src_at = map ? map + f.byte_base : nullptr;
       if (fan) {
         bool in = false;

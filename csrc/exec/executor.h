@@ -35,10 +35,6 @@ struct ExecOptions {
   ReplicaPolicy replica_policy = ReplicaPolicy::kError;
   double replica_atol = 0.0;
   VerifyMode verify = VerifyMode::kFree;
-  /// Copy out of the reader's read-only file mappings (CheckpointReader::mapped) where it has
-  /// them: one copy from the page cache into the live tensor or send buffer, no staging. Off:
-  /// positioned reads into staging (the path readers without mappings always take).
-  bool use_mmap = true;
   /// Called (on the executing thread) once every element of one of this rank's target buffers
   /// has been written; GPU targets use it to start the host-to-device copy of a finished buffer
   /// while later waves are still being read.

@@ -49,11 +49,20 @@ File File::open_read(const std::string& path) {
 }
 
 MappedFile::MappedFile(const std::string& path) {
-  File f = File::open_read(path);
-  size_ = f.size();
-  if (size_ == 0) return;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd;
+  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  while (fd < 0 && errno == EINTR);
   if (fd < 0) fail_errno(errno, "cannot open " + path + " for reading");
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(ErrorCode::kInvalidArgument, "cannot map ", path, ": not a regular file");
+  }
+  size_ = uint64_t(st.st_size);
+  if (size_ == 0) {
+    ::close(fd);
+    return;
+  }
   void* p = ::mmap(nullptr, size_t(size_), PROT_READ, MAP_SHARED, fd, 0);
   const int err = errno;
   ::close(fd);
@@ -63,19 +72,6 @@ MappedFile::MappedFile(const std::string& path) {
 
 MappedFile::~MappedFile() {
   if (data_) ::munmap(data_, size_t(size_));
-}
-
-void MappedFile::populate(uint64_t offset, uint64_t length) const {
-#ifdef MADV_POPULATE_READ
-  if (!data_ || length == 0 || offset >= size_) return;
-  const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
-  const uint64_t lo = offset / page * page;
-  const uint64_t hi = std::min(size_, offset + length);
-  ::madvise(data_ + lo, size_t(hi - lo), MADV_POPULATE_READ);  // advisory: errors change nothing
-#else
-  (void)offset;
-  (void)length;
-#endif
 }
 
 struct MappedFileSet::Slot {

@@ -58,9 +58,6 @@ class MappedFile {
   ~MappedFile();
   const uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
-  /// Asks the kernel to fill the page tables of [offset, offset + length) now (MADV_POPULATE_READ
-  /// where the kernel has it, else nothing): fewer page faults when the range is then copied.
-  void populate(uint64_t offset, uint64_t length) const;
 
  private:
   uint8_t* data_ = nullptr;
