@@ -64,11 +64,6 @@ ModelConfig crash_model() {
   }
 }
 
-ino_t latest_inode(const std::string& root) {
-  struct stat st;
-  return ::stat(io::join(root, "latest").c_str(), &st) == 0 ? st.st_ino : 0;
-}
-
 // Checks values against the synth function where the state says which seed wrote them.
 void spot_check_values(const CheckpointReader& r) {
   auto j = nlohmann::json::parse(r.state().json);
@@ -103,9 +98,9 @@ TEST(NativeCrash, KillDuringSaveLeavesACompleteCheckpoint) {
     // Wait for two completed saves of this child (each replaces `latest`, a new inode) to learn
     // the period of a save, then kill at a random moment within the next two periods.
     auto wait_for_new_latest = [&] {
-      const ino_t before = latest_inode(root);
+      const uint64_t before = testing::latest_inode(root);
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-      while (latest_inode(root) == before && std::chrono::steady_clock::now() < deadline)
+      while (testing::latest_inode(root) == before && std::chrono::steady_clock::now() < deadline)
         std::this_thread::sleep_for(std::chrono::microseconds(500));
       return std::chrono::steady_clock::now();
     };

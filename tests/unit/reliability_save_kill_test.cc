@@ -75,11 +75,6 @@ ModelConfig tiny() {
   }
 }
 
-ino_t latest_inode(const std::string& root) {
-  struct stat st;
-  return ::stat(io::join(root, "latest").c_str(), &st) == 0 ? st.st_ino : 0;
-}
-
 // Opens root (or one step), verifies every checksum and the values the writer put there.
 void check_step(const std::string& root, const std::string& step) {
   OpenOptions o;
@@ -129,8 +124,8 @@ TEST(ReliabilitySaveKill, ManyRandomKillsNeverLoseTheLastCompleteCheckpoint) {
     if (pid == 0) child_loop(root, uint64_t(k) * 1000 + 1, rng() % 8);
     // One completed save (a new `latest` inode) gives the period; kill uniformly within 2 periods.
     const auto t0 = std::chrono::steady_clock::now();
-    const ino_t before = latest_inode(root);
-    while (latest_inode(root) == before && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+    const uint64_t before = testing::latest_inode(root);
+    while (testing::latest_inode(root) == before && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     const int64_t period = std::max<int64_t>(
         200, std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());

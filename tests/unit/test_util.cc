@@ -1,5 +1,7 @@
 #include "unit/test_util.h"
 
+#include <sys/stat.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -35,6 +37,11 @@ std::string make_temp_dir(const std::string& prefix) {
   buf.push_back('\0');
   if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
   return std::string(buf.data());
+}
+
+uint64_t latest_inode(const std::string& root) {
+  struct stat st;
+  return ::stat((root + "/latest").c_str(), &st) == 0 ? uint64_t(st.st_ino) : 0;
 }
 
 }  // namespace reshard::testing

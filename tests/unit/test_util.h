@@ -16,4 +16,8 @@ std::string source_path(const std::string& relative);
 /// A fresh empty temporary directory, removed by the OS or by the test.
 std::string make_temp_dir(const std::string& prefix);
 
+/// Inode of ROOT/latest (0 when absent): a save that commits replaces it by rename, so a change
+/// tells a kill-during-save test that a save has completed.
+uint64_t latest_inode(const std::string& root);
+
 }  // namespace reshard::testing
