@@ -60,6 +60,7 @@ LoadReport assemble_load_report(const Plan& plan, const Layout& target, const Ch
   r.bytes_exchanged = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_sent)));
   r.verify_bytes_read = uint64_t(comm.all_reduce_sum(int64_t(st.verify_bytes_read)));
   r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
+  r.bytes_verified = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_verified)));
   r.peak_staging_bytes = uint64_t(comm.all_reduce_max(int64_t(peak_staging_bytes)));
   r.rank_bytes_read = st.bytes_read;
   r.rank_bytes_sent = st.bytes_sent;
@@ -158,6 +159,7 @@ std::string LoadReport::to_json() const {
   j["verify_bytes_read"] = verify_bytes_read;
   j["target_bytes"] = target_bytes;
   j["checksums_verified"] = checksums_verified;
+  j["bytes_verified"] = bytes_verified;
   j["plan_seconds"] = plan_seconds;
   j["seconds"] = seconds;
   j["gbps"] = gbps;

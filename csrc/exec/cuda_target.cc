@@ -241,7 +241,7 @@ struct Batch {
 };
 
 struct DirectResult {
-  uint64_t h2d = 0, converted = 0, chunks = 0, verified = 0, registered = 0;
+  uint64_t h2d = 0, converted = 0, chunks = 0, verified = 0, verified_bytes = 0, registered = 0;
   std::string error;
   bool written = false;
 };
@@ -327,7 +327,7 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
 
   std::atomic<size_t> next{0};
   std::atomic<bool> stop{false}, written{false};
-  std::atomic<uint64_t> h2d{0}, converted{0}, verified{0}, registered{0};
+  std::atomic<uint64_t> h2d{0}, converted{0}, verified{0}, verified_bytes{0}, registered{0};
   std::mutex err_mu;
   std::string first_error;
 
@@ -408,6 +408,7 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
               std::string bad = src.verify_range(f.file, f.byte_base, f.bytes(), hsrc[k]);
               if (!bad.empty()) fail(ErrorCode::kDataLoss, bad);
               ++verified;
+              verified_bytes += f.bytes();
             }
           }
         }
@@ -490,6 +491,7 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
   res.h2d = h2d;
   res.converted = converted;
   res.verified = verified;
+  res.verified_bytes = verified_bytes;
   res.registered = registered;
   res.error = first_error;
   res.written = written;
@@ -570,6 +572,7 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     cs.chunks = d.chunks;
     cs.registered_bytes = d.registered;
     st.checksums_verified = d.verified;
+    st.bytes_verified = d.verified_bytes;
     for (const Fragment& f : plan.fragments)
       if (f.reader == me) st.bytes_read += f.bytes();
     agree_or_throw(comm, d.error.empty() ? "" : prefix(comm) + d.error, ErrorCode::kDataLoss, "CUDA load", d.written);

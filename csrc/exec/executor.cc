@@ -228,8 +228,13 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   //  - it has remote deliveries -> pread into its slot of the send buffer of the first remote
   //    receiver (copied to further receivers' slots; local deliveries unpack from there);
   //  - otherwise -> staging, then unpack.
-  // Checksums are checked by the reading thread; staging/send/recv memory is reused across waves
-  // and never zero-initialised; unpack and receive-scatter run on the thread pool.
+  // Checksums: a fragment that is a whole stored piece is checked before any of its bytes go
+  // anywhere: by the reading thread when it goes to a send slot or staging (hash, then pack, while
+  // the bytes are in cache), or right before its copy when only this rank receives it straight
+  // from the file mapping (same order, in the copy step). A mismatch found in the copy step fails
+  // every rank after that step; other, already checked pieces may have been copied by then.
+  // Staging/send/recv memory is reused across waves and never zero-initialised; unpack and
+  // receive-scatter run on the thread pool.
   auto dense = [](const Box& b, const std::array<int64_t, kMaxDims>& s) {
     int64_t expect = 1;
     for (int d = b.ndim - 1; d >= 0; --d) {
@@ -368,18 +373,21 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     for (const Mine& m : mine) any_direct |= m.direct;
     // Read (+ verify) on the pool.
     auto tr = Clock::now();
-    std::atomic<uint64_t> nverified{0}, replica_bytes{0};
+    std::atomic<uint64_t> nverified{0}, nverified_bytes{0}, replica_bytes{0};
     std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
       const Mine& m = mine[k];
       const Fragment& f = plan.fragments[m.frag];
       Box rel = f.box;
       for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
       if (m.src) {
-        // Checked in the mapping itself, before a byte of it goes anywhere.
-        if (m.verify) {
+        // Checked in the mapping itself, before a byte of it goes anywhere. A fragment that only
+        // this rank receives is checked in the copy step instead, right before its copy, so the
+        // copy reads it from the cache the hash just filled (one pass over memory, not two).
+        if (m.verify && m.dst) {
           std::string bad = source.verify_range(f.file, f.byte_base, f.bytes(), m.src);
           if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
           nverified.fetch_add(1);
+          nverified_bytes.fetch_add(f.bytes());
         }
         if (m.dst) pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
         return;
@@ -393,6 +401,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         std::string bad = source.verify_range(f.file, f.byte_base, f.bytes(), m.dst);
         if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
         nverified.fetch_add(1);
+        nverified_bytes.fetch_add(f.bytes());
       }
       if (f.num_replicas > 0) {
         // Replica policy average: the other saved copies are read (and their checksums checked)
@@ -409,7 +418,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     st.read_seconds += seconds_since(tr);
     st.bytes_read += replica_bytes.load() +
                      [&] { uint64_t n = 0; for (const Mine& m : mine) n += plan.fragments[m.frag].bytes(); return n; }();
-    st.checksums_verified += nverified.load();
+    st.checksums_verified += nverified.exchange(0);
+    st.bytes_verified += nverified_bytes.exchange(0);
     agree_or_throw(comm, err.empty() ? "" : prefix(comm) + err, ErrorCode::kDataLoss,
                    "reading wave " + std::to_string(w), written || any_direct);
     for (const Mine& m : mine)
@@ -472,10 +482,38 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     for (size_t k = 0; k < copies.size(); ++k) (copies[k].local ? to_live : to_slots).push_back(k);
     std::string cerr = parallel_for(to_slots.size(), opt.io_threads, [&](size_t k) { do_copy(copies[to_slots[k]]); });
     if (!cerr.empty()) fail(ErrorCode::kInternal, prefix(comm), "packing sends failed: ", cerr);
+    // Local copy tasks: the copies of one fragment out of the file mapping form one task that
+    // first checks the fragment's checksum (deferred from the read step), then copies it to each
+    // of its deliveries; every other local copy is a task of its own.
+    std::vector<char> check_in_copy(hi - lo, 0);
+    for (const Mine& m : mine)
+      if (m.src && !m.dst && m.verify) check_in_copy[m.frag - lo] = 1;
+    struct Task { size_t first, count; bool check; };
+    std::vector<Task> tasks;
+    for (size_t k = 0; k < to_live.size(); ++k) {
+      const Copy& c = copies[to_live[k]];
+      if (c.src_strided && !tasks.empty() && tasks.back().check &&
+          copies[to_live[tasks.back().first]].frag == c.frag) {
+        ++tasks.back().count;
+        continue;
+      }
+      tasks.push_back({k, 1, c.src_strided && check_in_copy[c.frag - lo] != 0});
+    }
     if (!to_live.empty()) written = true;
     std::string lerr;
     std::thread local_copies([&] {
-      lerr = parallel_for(to_live.size(), opt.io_threads, [&](size_t k) { do_copy(copies[to_live[k]]); });
+      lerr = parallel_for(tasks.size(), opt.io_threads, [&](size_t t) {
+        const Task& task = tasks[t];
+        if (task.check) {
+          const Copy& c = copies[to_live[task.first]];
+          const Fragment& f = plan.fragments[c.frag];
+          std::string bad = source.verify_range(f.file, f.byte_base, f.bytes(), c.src);
+          if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
+          nverified.fetch_add(1);
+          nverified_bytes.fetch_add(f.bytes());
+        }
+        for (size_t k = task.first; k < task.first + task.count; ++k) do_copy(copies[to_live[k]]);
+      });
     });
     auto ta = Clock::now();
     std::string xerr;
@@ -491,13 +529,17 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     }
     local_copies.join();
     st.copy_seconds += seconds_since(tx);
-    for (size_t k : to_live) wrote(plan.deliveries[copies[k].peer_or_delivery].buffer, plan.fragments[copies[k].frag].box.numel());
-    if (!lerr.empty())
-      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
-           "state is unusable and the trainer must abort: ", lerr);
+    st.checksums_verified += nverified.exchange(0);
+    st.bytes_verified += nverified_bytes.exchange(0);
     if (!xerr.empty())
       fail(ErrorCode::kFailedPrecondition, prefix(comm), "exchange of wave ", w, " failed after live tensors were "
-           "partly written; the live state is unusable and the trainer must abort: ", xerr);
+           "partly written; the live state is unusable and the trainer must abort: ", xerr,
+           lerr.empty() ? "" : "; and on this rank: " + lerr);
+    // A checksum mismatch found in the copy step fails every rank, naming the piece.
+    agree_or_throw(comm, lerr.empty() ? "" : prefix(comm) + lerr, ErrorCode::kDataLoss,
+                   "copying wave " + std::to_string(w) + " (each piece is checked right before its copy: no byte of a "
+                   "failing piece was copied)", written);
+    for (size_t k : to_live) wrote(plan.deliveries[copies[k].peer_or_delivery].buffer, plan.fragments[copies[k].frag].box.numel());
     for (int r = 0; r < W; ++r) {
       st.bytes_sent += send_counts[r];
       st.bytes_received += recv_counts[r];

@@ -47,6 +47,7 @@ struct ExecStats {
   uint64_t bytes_received = 0;
   uint64_t verify_bytes_read = 0;  // replica comparison reads
   uint64_t checksums_verified = 0; // fragments whose stored checksum was checked
+  uint64_t bytes_verified = 0;     // their bytes
   uint64_t peak_staging_bytes = 0;
   // read: checksum checks and reads/packs of this rank's fragments; copy: local copies into live
   // tensors and send slots; exchange: all-to-all-v and group broadcasts (with their unpacking);

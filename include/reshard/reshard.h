@@ -34,7 +34,11 @@ struct LoadReport {
   uint64_t bytes_exchanged = 0;   // all ranks, sent to another rank
   uint64_t verify_bytes_read = 0; // all ranks, replica comparison reads
   uint64_t target_bytes = 0;      // bytes of live state written, all ranks
-  uint64_t checksums_verified = 0;
+  uint64_t checksums_verified = 0;  // all ranks: fragments whose stored checksum was checked
+  /// All ranks: bytes of those fragments. With verify="free", bytes_verified < bytes_read means
+  /// some fragments were parts of stored pieces (a piece cut between target ranks), which "free"
+  /// does not check; `reshard verify` checks every piece.
+  uint64_t bytes_verified = 0;
   /// This rank's own numbers (the totals above are over all ranks).
   uint64_t rank_bytes_read = 0, rank_bytes_sent = 0, rank_bytes_received = 0;
   double read_seconds = 0, copy_seconds = 0, exchange_seconds = 0, scatter_seconds = 0;  // this rank (ExecStats)

@@ -6,9 +6,11 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "exec/executor.h"
+#include "formats/native/layout_json.h"
 #include "reshard/checkpoint.h"
 #include "reshard/comm_mpi.h"
 #include "reshard/error.h"
@@ -233,6 +235,72 @@ TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
     for (uint8_t x : mem[b]) {
       if (x != 0xAB) { ADD_FAILURE() << "buffer " << target.buffers[b].name << " was written"; break; }
     }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
+  // A piece's checksum may be checked in the read step (before the exchange) or in the copy step
+  // (right before its copy out of the file mapping); either way every rank must fail, with the
+  // same message, and none may hang in a collective.
+  Communicator& comm = world();
+  std::string dir = shared_dir();
+  const std::string root = dir + "/ckpt";
+  if (comm.rank() == 0) {
+    synth_checkpoint(root, gqa_model(), Topology::parse("tp=2,pp=2,dp=2,zero=1"), 11);
+    auto ck = open_checkpoint(root);
+    const SourceLayout& s = ck->source();
+    // Rank 0's 16-bit copy (authoritative for all it holds) of a tp-split weight (row-parallel: its
+    // columns), which the tp merge reads whole at every dp, so verify="free" checks it (a piece cut
+    // between ranks is not checked by "free"). Flip a byte in its middle.
+    int b = -1;
+    int64_t base = 0, span = 0;
+    for (const Piece& pc : s.layout.pieces) {
+      const Buffer& buf = s.layout.buffers[pc.buffer];
+      if (buf.rank == 0 && buf.state == StateKind::kWeight &&
+          s.layout.arrays[pc.array].tensor == "layers.0.self_attention.dense.weight") {
+        b = pc.buffer;
+        span = native::piece_span(pc);
+        base = pc.base;
+      }
+    }
+    EXPECT_GT(span, 0) << "no such piece; the test must pick another";  // not ASSERT: the others wait below
+    if (span > 0) {
+      const uint64_t at = s.locations[b].byte_offset + uint64_t(base + span / 2) * dtype_size(s.layout.buffers[b].dtype);
+      std::fstream f(s.files[s.locations[b].file], std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(std::streamoff(at));
+      char x;
+      f.get(x);
+      f.seekp(std::streamoff(at));
+      f.put(char(x ^ 0x01));
+    }
+  }
+  comm.barrier();
+  auto ckpt = open_checkpoint(root);
+  Layout target = derive_layout(gqa_model(), Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  std::vector<std::vector<uint8_t>> mem(target.buffers.size());
+  std::vector<void*> ptrs(target.buffers.size(), nullptr);
+  for (size_t b = 0; b < target.buffers.size(); ++b)
+    if (target.buffers[b].rank == comm.rank()) {
+      mem[b].assign(size_t(target.buffers[b].numel) * dtype_size(target.buffers[b].dtype), 0xAB);
+      ptrs[b] = mem[b].data();
+    }
+  std::string msg;
+  try {
+    load(*ckpt, target, ptrs, comm);
+    ADD_FAILURE() << "a flipped byte must not load";
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_TRUE(e.code() == ErrorCode::kDataLoss || e.code() == ErrorCode::kFailedPrecondition) << msg;
+    if (e.code() == ErrorCode::kFailedPrecondition) {
+      EXPECT_NE(msg.find("the live state is unusable"), std::string::npos) << msg;
+    }
+    EXPECT_NE(msg.find("xxh3 mismatch"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank_00000.safetensors"), std::string::npos) << msg;
+  }
+  // Every rank saw the same failure.
+  std::vector<std::string> all = comm.all_gather_strings(msg.substr(msg.find("xxh3") == std::string::npos ? 0 : msg.find("xxh3")));
+  for (const auto& m : all) EXPECT_EQ(m, all[0]);
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -17,6 +17,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "formats/native/layout_json.h"
 #include "io/file.h"
 #include "reshard/error.h"
 #include "reshard/strided.h"
@@ -276,6 +277,21 @@ TEST(ReliabilityCorrupt, FlippedByteFailsTheLoadNamingFileAndPiece) {
       EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << msg;
       EXPECT_TRUE(live.untouched());
     }
+    // Either way no byte of the corrupted piece reached the live tensor: a piece's checksum is
+    // checked before its copy (other, verified pieces may have been copied already).
+    const int64_t bad_elem = s.layout.buffers[b].numel / 2;
+    int tb = -1;
+    for (size_t i = 0; i < t.buffers.size(); ++i)
+      if (t.buffers[i].name == s.layout.buffers[b].name && t.buffers[i].rank == s.layout.buffers[b].rank) tb = int(i);
+    ASSERT_GE(tb, 0);
+    int pieces_hit = 0;
+    for (const Piece& pc : s.layout.pieces) {
+      if (pc.buffer != b || bad_elem < pc.base || bad_elem >= pc.base + native::piece_span(pc)) continue;
+      ++pieces_hit;
+      for (int64_t k = pc.base * 4; k < (pc.base + native::piece_span(pc)) * 4; ++k)
+        ASSERT_EQ(live.mem[tb][size_t(k)], kSentinel) << "byte " << k << " of the corrupted piece was written";
+    }
+    EXPECT_EQ(pieces_hit, 1);
   }
   // `verify off` loads it (the user's explicit choice); the report counts no checksum.
   Live live2(t);
