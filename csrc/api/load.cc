@@ -134,7 +134,8 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   eo.replica_atol = options.plan.replica_atol;
   if (options.verify == "off") eo.verify = VerifyMode::kOff;
   else if (options.verify == "free") eo.verify = VerifyMode::kFree;
-  else fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off or free");
+  else if (options.verify == "full") eo.verify = VerifyMode::kFull;
+  else fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off, free or full");
   ExecStats st = execute_plan(plan, target, ckpt, buffers, comm, eo);
 
   LoadReport filled = assemble_load_report(plan, target, ckpt, st, st.peak_staging_bytes,

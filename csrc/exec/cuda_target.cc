@@ -404,7 +404,7 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
           } else {
             read_piece(p, host + p.slot_off);
             hsrc[k] = host + p.slot_off;
-            if (verify && p.whole && fi.src_contiguous) {
+            if (verify && p.whole && fi.src_contiguous && src.has_checksum(f.file, f.byte_base, f.bytes())) {
               std::string bad = src.verify_range(f.file, f.byte_base, f.bytes(), hsrc[k]);
               if (!bad.empty()) fail(ErrorCode::kDataLoss, bad);
               ++verified;
@@ -511,8 +511,8 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     fail(ErrorCode::kInvalidArgument, prefix(comm), "target layout ", target.topo.to_string(), " has world size ",
          target.topo.world_size(), " but the job has ", comm.size(), " ranks");
   RESHARD_CHECK(dev.size() == target.buffers.size(), "one pointer slot per target buffer");
-  if (options.verify != "off" && options.verify != "free")
-    fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off or free");
+  if (options.verify != "off" && options.verify != "free" && options.verify != "full")
+    fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off, free or full");
   std::string source_mode = co.source == "auto" ? "pread" : co.source;
   if (source_mode != "pread" && source_mode != "mmap")
     fail(ErrorCode::kInvalidArgument, "CudaLoadOptions::source='", co.source, "' must be auto, pread or mmap");
@@ -549,7 +549,8 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     }
     cs.source = source_mode;
     st.replica_report = run_preflight(plan, target, ckpt, dev, comm, options.plan.replica_policy,
-                                      options.plan.replica_atol, &st.verify_bytes_read);
+                                      options.plan.replica_atol, &st.verify_bytes_read,
+                                      options.verify == "full" ? VerifyMode::kFull : VerifyMode::kFree, co.io_threads > 0 ? co.io_threads : 16);
     const int threads = co.io_threads > 0 ? co.io_threads : 16;
     const int slots = std::max(1, co.slots_per_thread);
     const uint64_t chunk = std::max<uint64_t>(co.chunk_bytes, 1 << 20);
@@ -565,7 +566,7 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     cs.io_threads = threads;
     cs.pinned_bytes = uint64_t(threads) * slots * chunk;
     auto tc = Clock::now();
-    DirectResult d = run_direct(plan, target, ckpt, dev, me, threads, source_mode == "mmap", options.verify == "free", g_staging);
+    DirectResult d = run_direct(plan, target, ckpt, dev, me, threads, source_mode == "mmap", options.verify != "off", g_staging);
     cs.copy_seconds = since(tc);
     cs.h2d_bytes = d.h2d;
     cs.gpu_converted_bytes = d.converted;
@@ -606,7 +607,7 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
       eo.io_threads = co.io_threads > 0 ? co.io_threads : options.io_threads;
       eo.replica_policy = options.plan.replica_policy;
       eo.replica_atol = options.plan.replica_atol;
-      eo.verify = options.verify == "off" ? VerifyMode::kOff : VerifyMode::kFree;
+      eo.verify = options.verify == "off" ? VerifyMode::kOff : options.verify == "full" ? VerifyMode::kFull : VerifyMode::kFree;
       uint64_t turn = 0;
       eo.on_buffer_done = [&](int32_t b) {
         if (!copy_error.empty() || dev[b] == nullptr) return;

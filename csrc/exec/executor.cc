@@ -91,7 +91,7 @@ int remote_ranks(const Plan& plan, const Fragment& f) {
 
 std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
                                        const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
-                                       double atol, uint64_t* verify_bytes_read) {
+                                       double atol, uint64_t* verify_bytes_read, VerifyMode verify, int io_threads) {
   const int me = comm.rank();
   const int W = comm.size();
   const SourceLayout& src = source.source();
@@ -125,6 +125,16 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         note_range(c.authoritative.file, c.authoritative.byte_base, c.authoritative.dtype, c.box, c.authoritative.strides);
         note_range(c.replica.file, c.replica.byte_base, c.replica.dtype, c.box, c.replica.strides);
       }
+    // verify="full": the checksum units that fragments cut (the same list on every rank).
+    std::vector<ChecksumCheck> checks;
+    if (verify == VerifyMode::kFull) checks = checksum_checks(plan, source.checksum_units());
+    std::vector<size_t> my_checks;
+    for (size_t i = 0; i < checks.size(); ++i)
+      if (checks[i].checker == me) {
+        my_checks.push_back(i);
+        const ChecksumUnit& u = checks[i].unit;
+        need_end[u.file] = std::max(need_end[u.file], u.offset + u.length);
+      }
     int nprob = 0;
     for (size_t f = 0; f < need_end.size(); ++f) {
       if (need_end[f] == 0) continue;
@@ -143,6 +153,27 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << "no memory given for target buffer " << target.buffers[b].name;
     std::string mine = nprob ? prefix(comm) + problems.str() : "";
     agree_or_throw(comm, mine, ErrorCode::kDataLoss, "pre-flight check", false);
+
+    // Checksum units cut between fragments (verify="full"): each read whole by its checker, out
+    // of the file mapping where the reader has one, and checked before any write.
+    std::atomic<uint64_t> checked_bytes{0};
+    std::string uerr = parallel_for(my_checks.size(), std::max(1, io_threads), [&](size_t k) {
+      const ChecksumUnit& u = checks[my_checks[k]].unit;
+      const uint8_t* map = source.mapped(u.file);
+      std::vector<uint8_t> tmp;
+      const void* data = map ? static_cast<const void*>(map + u.offset) : nullptr;
+      if (!map) {
+        tmp.resize(size_t(u.length));
+        source.read(u.file, u.offset, u.length, tmp.data());
+        data = tmp.data();
+      }
+      std::string bad = source.verify_range(u.file, u.offset, u.length, data);
+      if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
+      checked_bytes.fetch_add(u.length);
+    });
+    *verify_bytes_read += checked_bytes.load();
+    agree_or_throw(comm, uerr.empty() ? "" : prefix(comm) + uerr, ErrorCode::kDataLoss,
+                   "checksum check (verify=\"full\")", false);
 
     // Replica comparisons (before any write).
     std::ostringstream diffs;
@@ -194,7 +225,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
 
   // 1-2. Same plan everywhere; pre-flight of files and buffers; replica comparisons.
   st.replica_report = run_preflight(plan, target, source, buffers, comm, opt.replica_policy, opt.replica_atol,
-                                    &st.verify_bytes_read);
+                                    &st.verify_bytes_read, opt.verify, opt.io_threads);
 
   // 3. Waves. Fragments are sorted by wave; find each wave's range once.
   std::vector<size_t> wave_begin(plan.num_waves + 1, plan.fragments.size());
@@ -235,13 +266,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // every rank after that step; other, already checked pieces may have been copied by then.
   // Staging/send/recv memory is reused across waves and never zero-initialised; unpack and
   // receive-scatter run on the thread pool.
-  auto dense = [](const Box& b, const std::array<int64_t, kMaxDims>& s) {
-    int64_t expect = 1;
-    for (int d = b.ndim - 1; d >= 0; --d) {
-      if (b.len[d] != 1 && s[d] != expect) return false;
-      expect *= b.len[d];
-    }
-    return true;
+  auto dense = box_is_dense;
+  // A fragment whose bytes are exactly one checksummed unit, in file order: its reader checks it.
+  auto checked = [&](const Fragment& f) {
+    return opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides) && source.has_checksum(f.file, f.byte_base, f.bytes());
   };
   // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
   // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's
@@ -306,8 +334,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
           }
           continue;
         }
-        Mine m{i, nullptr, false, opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides), -1, stage_bytes, true,
-               src_at};
+        Mine m{i, nullptr, false, checked(f), -1, stage_bytes, true, src_at};
         stage_bytes += f.bytes();
         mine.push_back(m);
         continue;
@@ -342,7 +369,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         m.off = stage_bytes;  // staging offset
         stage_bytes += f.bytes();
       }
-      m.verify = opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides);
+      m.verify = checked(f);
       mine.push_back(m);
     }
     std::vector<uint64_t> send_displs(W, 0), recv_displs(W, 0);

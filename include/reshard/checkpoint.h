@@ -53,6 +53,10 @@ class CheckpointReader {
   virtual std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const {
     return {};
   }
+  /// True when the format stores a checksum for exactly this byte range (verify_range checks it).
+  virtual bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const { return false; }
+  /// Every byte range verify_range() can check, for load option verify="full".
+  virtual std::vector<ChecksumUnit> checksum_units() const { return {}; }
 };
 
 struct OpenOptions {

@@ -174,6 +174,35 @@ struct CoverageGap {
 /// ignoring vocab padding rows. Empty when the source covers the target.
 std::vector<CoverageGap> find_coverage_gaps(const SourceLayout& source, const Layout& target);
 
+/// A byte range of one source file that the format stores a checksum for. Where they come from:
+/// native checkpoints store an xxh3-64 per piece (docs/format.md); DeepSpeed's torch.save zip
+/// archives store a CRC-32 per storage record (PKWARE APPNOTE, local file header / central
+/// directory), one record per tensor storage, e.g. a whole ZeRO flat partition.
+struct ChecksumUnit {
+  int32_t file = 0;
+  uint64_t offset = 0;  // bytes
+  uint64_t length = 0;  // bytes
+};
+
+/// A checksum unit that `checker` reads whole and checks in the pre-flight, before any live
+/// tensor is written (load option verify="full").
+struct ChecksumCheck {
+  ChecksumUnit unit;
+  int32_t checker = 0;
+};
+
+/// True when a box whose element (i_0, ..., i_n) lies at sum(i_d * strides[d]) is one contiguous
+/// run in row-major box order (dims of length 1 ignored).
+bool box_is_dense(const Box& box, const std::array<int64_t, kMaxDims>& strides);
+
+/// For verify="full": every checksum unit that a fragment of `plan` reads bytes of, except the
+/// units some fragment reads exactly whole and dense (its reader checks those as the bytes go by,
+/// as verify="free" does). Each gets one checker: the reader of the fragment with the most bytes
+/// inside the unit (ties: the earlier fragment), so the extra read is the smallest and stays on
+/// a machine that reads the unit anyway. Sorted by (file, offset). Units may overlap. Pure: no
+/// I/O; O(fragments x units touched + units log units).
+std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<ChecksumUnit> units);
+
 /// Box difference a \ b as at most 2*ndim disjoint boxes.
 std::vector<Box> box_subtract(const Box& a, const Box& b);
 

@@ -19,8 +19,19 @@ namespace reshard {
 struct LoadOptions {
   PlanOptions plan;
   int io_threads = 4;
-  /// Checksum checks while loading: "off", "free" (fragments that are exactly a stored piece;
-  /// no extra reads), "full" is not implemented for loads (use `reshard verify`).
+  /// Checksum checks while loading (units: native pieces with their xxh3-64, DeepSpeed zip records
+  /// with their CRC-32; see ChecksumUnit):
+  ///  - "free" (default): every fragment that is exactly one unit is checked right before its
+  ///    bytes go anywhere, at no extra read. Units cut between fragments (a tp split, a ZeRO
+  ///    partition re-cut, a DeepSpeed flat partition read tensor by tensor) are not checked:
+  ///    LoadReport::bytes_verified < bytes_read says how much was.
+  ///  - "full": also every unit a fragment cuts, read whole by one rank and checked in the
+  ///    pre-flight before any write; the extra reads count in verify_bytes_read.
+  ///  - "off": none.
+  /// Errors: a mismatch is Error(kDataLoss) naming file, tensor/record and byte range, or
+  /// kFailedPrecondition ("the live state is unusable") when checked pieces were already copied;
+  /// a unit that is checked is checked before any of its bytes is copied. Another value is
+  /// kInvalidArgument.
   std::string verify = "free";
 };
 

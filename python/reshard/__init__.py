@@ -284,9 +284,16 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     default), then copied to the device tensors once the whole load succeeded; the report adds
     "device", "device_copy_seconds" and "staged_host_bytes", and "seconds"/"gbps" include the copy.
 
+    ``verify``: checksum checks (native pieces: xxh3-64; DeepSpeed zip records: CRC-32). "free"
+    (default) checks every fragment that is exactly one checksummed unit, right before its bytes
+    go anywhere, at no extra read; units cut between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat
+    partitions read tensor by tensor) are not checked ("bytes_verified" < "bytes_read" says so).
+    "full" also reads each cut unit whole on one rank and checks it before any write (the extra
+    reads count in "verify_bytes_read"). "off": none.
+
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
     "bytes_read", "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes" (bytes,
-    all ranks), "checksums_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
+    all ranks), "checksums_verified", "bytes_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
     (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "policies", "not_carried",
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
     step, json, per_rank (only when the layout is identical)}, "text"}``.

@@ -305,5 +305,88 @@ TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// verify="full": a piece cut between target ranks (a row-parallel weight's columns split over tp)
+// is read whole by one rank and checked in the pre-flight, so a flipped byte in it fails every rank
+// before any write. "free" does not check cut pieces; its report says so (bytes_verified <
+// bytes_read).
+TEST(MpiLoad, FullVerifyChecksPiecesCutBetweenRanksBeforeAnyWrite) {
+  Communicator& comm = world();
+  const int K = comm.size();
+  std::string dir = shared_dir();
+  const std::string root = dir + "/ckpt";
+  if (comm.rank() == 0) {
+    synth_checkpoint(root, gqa_model(), Topology::parse("tp=1,pp=1,dp=1,zero=1"), 13);
+    auto ck = open_checkpoint(root);
+    const SourceLayout& s = ck->source();
+    int b = -1;
+    int64_t base = 0, span = 0;
+    for (const Piece& pc : s.layout.pieces)
+      if (s.layout.buffers[pc.buffer].state == StateKind::kWeight &&
+          s.layout.arrays[pc.array].tensor == "layers.1.self_attention.dense.weight") {
+        b = pc.buffer;
+        base = pc.base;
+        span = native::piece_span(pc);
+      }
+    EXPECT_GT(span, 0) << "no such piece";  // not ASSERT: the other ranks wait below
+    if (span > 0) {
+      const uint64_t at = s.locations[b].byte_offset + uint64_t(base + span / 2) * dtype_size(s.layout.buffers[b].dtype);
+      std::fstream f(s.files[s.locations[b].file], std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(std::streamoff(at));
+      char x;
+      f.get(x);
+      f.seekp(std::streamoff(at));
+      f.put(char(x ^ 0x01));
+    }
+  }
+  comm.barrier();
+  auto ckpt = open_checkpoint(root);
+  // Even K: tp=2 cuts the piece between two ranks. Odd K: dp only, the piece is read whole.
+  const std::string topo = K % 2 == 0 ? "tp=2,pp=1,dp=" + std::to_string(K / 2) + ",zero=1"
+                                      : "tp=1,pp=1,dp=" + std::to_string(K) + ",zero=1";
+  Layout target = derive_layout(gqa_model(), Topology::parse(topo));
+  auto fresh = [&] {
+    std::vector<std::vector<uint8_t>> mem(target.buffers.size());
+    for (size_t b = 0; b < target.buffers.size(); ++b)
+      if (target.buffers[b].rank == comm.rank())
+        mem[b].assign(size_t(target.buffers[b].numel) * dtype_size(target.buffers[b].dtype), 0xAB);
+    return mem;
+  };
+  auto ptrs = [&](std::vector<std::vector<uint8_t>>& mem) {
+    std::vector<void*> p(mem.size(), nullptr);
+    for (size_t b = 0; b < mem.size(); ++b)
+      if (!mem[b].empty()) p[b] = mem[b].data();
+    return p;
+  };
+  if (K % 2 == 0) {
+    auto mem = fresh();
+    LoadReport r = load(*ckpt, target, ptrs(mem), comm);  // "free" cannot see it
+    EXPECT_LT(r.bytes_verified, r.bytes_read);
+  }
+  auto mem = fresh();
+  LoadOptions lo;
+  lo.verify = "full";
+  std::string msg;
+  try {
+    load(*ckpt, target, ptrs(mem), comm, lo);
+    ADD_FAILURE() << "a flipped byte loaded under verify=full (" << topo << ")";
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_NE(msg.find("xxh3 mismatch"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("layers.1.self_attention.dense.weight"), std::string::npos) << msg;
+    if (K % 2 == 0) {
+      EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << msg;
+      EXPECT_NE(msg.find("before any live tensor was written"), std::string::npos) << msg;
+      for (const auto& m : mem)
+        for (uint8_t x : m) {
+          if (x != 0xAB) { ADD_FAILURE() << "a live byte was written"; break; }
+        }
+    }
+  }
+  std::vector<std::string> all = comm.all_gather_strings(msg);
+  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace reshard

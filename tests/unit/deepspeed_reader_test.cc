@@ -20,6 +20,7 @@
 #include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/inspect.h"
+#include "reshard/reshard.h"
 #include "reshard/torch_archive.h"
 #include "unit/test_util.h"
 
@@ -647,6 +648,76 @@ TEST(DeepSpeedMalformed, TruncatedGarbageBadOffsetsHostilePickle) {
     fs::remove_all(fs::path(step).parent_path());
   }
   EXPECT_FALSE(fs::exists(marker)) << "the hostile pickle ran a command";
+}
+
+// A flipped byte inside a ZeRO flat partition: the record's zip CRC-32 covers the whole partition,
+// which a load reads tensor by tensor, so verify="free" cannot check it (and its report says how
+// much it did check); verify="full" reads the record whole in the pre-flight and refuses the load
+// before any write, naming the file and the record's bytes.
+TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
+  REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
+  const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc");
+  const std::string victim = "zero_pp_rank_1_mp_rank_00_optim_states.pt";
+  {
+    auto r0 = open_checkpoint(step);
+    const SourceLayout& s = r0->source();
+    int32_t file = -1;
+    for (size_t f = 0; f < s.files.size(); ++f)
+      if (fs::path(s.files[f]).filename() == victim) file = int32_t(f);
+    ASSERT_GE(file, 0);
+    ChecksumUnit big;
+    for (const ChecksumUnit& u : r0->checksum_units())
+      if (u.file == file && u.length > big.length) big = u;
+    ASSERT_GT(big.length, 1000u) << "the fp32 flat partition is the file's largest record";
+    std::fstream f(s.files[file], std::ios::in | std::ios::out | std::ios::binary);
+    const uint64_t at = big.offset + big.length / 2;
+    f.seekg(std::streamoff(at));
+    char x;
+    f.get(x);
+    f.seekp(std::streamoff(at));
+    f.put(char(x ^ 0x10));
+  }
+  auto reader = open_checkpoint(step);
+  const Layout target = derive_layout(reader->source().layout.model, Topology::parse("tp=1,pp=1,dp=1,zero=1"));
+  auto live = [&] {
+    std::vector<std::vector<uint8_t>> mem;
+    for (const Buffer& b : target.buffers) mem.emplace_back(size_t(b.numel) * dtype_size(b.dtype), 0x5A);
+    return mem;
+  };
+  auto ptrs = [](std::vector<std::vector<uint8_t>>& mem) {
+    std::vector<void*> p;
+    for (auto& m : mem) p.push_back(m.data());
+    return p;
+  };
+  auto comm = make_local_communicator();
+  {
+    auto mem = live();
+    LoadReport r = load(*reader, target, ptrs(mem), *comm);  // "free": the cut record is not checked
+    EXPECT_LT(r.bytes_verified, r.bytes_read);
+  }
+  auto mem = live();
+  LoadOptions o;
+  o.verify = "full";
+  try {
+    load(*reader, target, ptrs(mem), *comm, o);
+    ADD_FAILURE() << "a flipped byte in " << victim << " loaded under verify=full";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
+    EXPECT_NE(m.find(victim), std::string::npos) << m;
+    EXPECT_NE(m.find("zip CRC-32"), std::string::npos) << m;
+    EXPECT_NE(m.find("before any live tensor was written"), std::string::npos) << m;
+  }
+  for (const auto& m : mem)
+    for (uint8_t x : m) ASSERT_EQ(x, 0x5A) << "a live byte was written";
+  // The unharmed checkpoint loads under "full" and checks more than "free" does.
+  const std::string good = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc_ok");
+  auto ok = open_checkpoint(good);
+  auto mem2 = live();
+  LoadReport full = load(*ok, target, ptrs(mem2), *comm, o);
+  EXPECT_GT(full.verify_bytes_read, 0u);
+  fs::remove_all(fs::path(step).parent_path());
+  fs::remove_all(fs::path(good).parent_path());
 }
 
 }  // namespace

@@ -181,6 +181,19 @@ class DeepSpeedReader final : public CheckpointReader {
     return os.str();
   }
 
+  bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const override {
+    if (file < 0 || size_t(file) >= records_.size()) return false;
+    auto it = records_[file].find(offset);
+    return it != records_[file].end() && it->second.first == length;
+  }
+
+  std::vector<ChecksumUnit> checksum_units() const override {
+    std::vector<ChecksumUnit> out;
+    for (size_t f = 0; f < records_.size(); ++f)
+      for (const auto& [off, rec] : records_[f]) out.push_back({int32_t(f), off, rec.first});
+    return out;
+  }
+
   std::string dir_, writer_;
   SourceLayout source_;
   NonTensorState state_;

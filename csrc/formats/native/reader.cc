@@ -66,6 +66,18 @@ class NativeReader final : public CheckpointReader {
     return describe_piece(p) + ": xxh3 mismatch (stored " + checksums_[p] + ", computed " + got + ")";
   }
 
+  bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const override {
+    auto it = by_range_.find({file, offset, length});
+    return it != by_range_.end() && !checksums_[it->second].empty();
+  }
+
+  std::vector<ChecksumUnit> checksum_units() const override {
+    std::vector<ChecksumUnit> out;
+    out.reserve(by_range_.size());
+    for (const auto& [key, p] : by_range_) out.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key)});
+    return out;
+  }
+
   /// "rank_00001.safetensors, buffer fp32/group0 (rank 1), piece of layers.0.x/fp32 [0:4, 0:8], bytes [a, b)".
   std::string describe_piece(int p) const {
     const Piece& pc = src_.layout.pieces[p];

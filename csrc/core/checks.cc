@@ -1,0 +1,71 @@
+// Which checksum units a load with verify="full" checks in its pre-flight, and by which rank.
+#include <algorithm>
+#include <iterator>
+
+#include "reshard/plan.h"
+
+namespace reshard {
+
+bool box_is_dense(const Box& box, const std::array<int64_t, kMaxDims>& strides) {
+  int64_t expect = 1;
+  for (int d = box.ndim - 1; d >= 0; --d) {
+    if (box.len[d] != 1 && strides[d] != expect) return false;
+    expect *= box.len[d];
+  }
+  return true;
+}
+
+std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<ChecksumUnit> units) {
+  std::sort(units.begin(), units.end(), [](const ChecksumUnit& a, const ChecksumUnit& b) {
+    return a.file != b.file ? a.file < b.file : a.offset < b.offset;
+  });
+  // Prefix maximum of the unit ends within each file: units may interleave (a strided piece's
+  // span can contain bytes of another piece), so a walk back from the last unit starting before
+  // a fragment's end stops once no earlier unit reaches past the fragment's start.
+  std::vector<uint64_t> max_end(units.size());
+  for (size_t i = 0; i < units.size(); ++i) {
+    const uint64_t e = units[i].offset + units[i].length;
+    max_end[i] = (i > 0 && units[i - 1].file == units[i].file) ? std::max(max_end[i - 1], e) : e;
+  }
+  // Per unit: read whole by one fragment, or the best checker so far (most bytes inside).
+  struct Best {
+    bool whole = false, touched = false;
+    uint64_t bytes = 0;
+    int32_t checker = 0;
+  };
+  std::vector<Best> best(units.size());
+  for (const Fragment& f : plan.fragments) {
+    if (f.box.numel() == 0) continue;
+    // Byte extent of the fragment in its file: [lo, hi) (strides are non-negative).
+    int64_t span = 1;
+    for (int d = 0; d < f.box.ndim; ++d) span += (f.box.len[d] - 1) * f.src_strides[d];
+    const uint64_t es = dtype_size(f.src_dtype);
+    const uint64_t lo = f.byte_base, hi = f.byte_base + uint64_t(span) * es;
+    const bool dense = box_is_dense(f.box, f.src_strides);
+    // Units starting before hi, walked back from the last one.
+    size_t n = size_t(std::lower_bound(units.begin(), units.end(), std::make_pair(f.file, hi),
+                                       [](const ChecksumUnit& u, const std::pair<int32_t, uint64_t>& k) {
+                                         return u.file != k.first ? u.file < k.first : u.offset < k.second;
+                                       }) -
+                      units.begin());
+    while (n > 0 && units[n - 1].file == f.file && max_end[n - 1] > lo) {
+      const size_t i = --n;
+      const uint64_t ulo = units[i].offset, uhi = units[i].offset + units[i].length;
+      if (uhi <= lo) continue;
+      Best& b = best[i];
+      b.touched = true;
+      if (dense && ulo == lo && uhi == hi) b.whole = true;
+      const uint64_t inside = std::min(hi, uhi) - std::max(lo, ulo);
+      if (inside > b.bytes) {
+        b.bytes = inside;
+        b.checker = f.reader;
+      }
+    }
+  }
+  std::vector<ChecksumCheck> out;
+  for (size_t i = 0; i < units.size(); ++i)
+    if (best[i].touched && !best[i].whole) out.push_back({units[i], best[i].checker});
+  return out;
+}
+
+}  // namespace reshard
