@@ -303,6 +303,8 @@ class Bench:
                      rss_above_live_bytes=max(j["rss_above_live_bytes"] for j in runs),
                      live_bytes_max_rank=m["live_bytes_max_rank"], peak_staging_bytes=m["peak_staging_bytes"],
                      memory_budget_bytes=m["memory_budget_bytes"], dedup=m["dedup"], verify=m["verify"],
+                     bytes_verified=m.get("bytes_verified"), verify_bytes_read=m.get("verify_bytes_read"),
+                     checked_as_read=(m["bytes_verified"] / m["bytes_read"]) if m.get("bytes_read") else None,
                      io_threads=m["io_threads"], change=m["change"])
         if cache == "cold":
             e["resident_fraction_after_evict"] = max(j.get("resident_fraction_after_evict", -1) for j in runs)
@@ -466,6 +468,10 @@ class Bench:
                     f"reshard_verify_off warm {short_layout(t)}",
                     lambda: self.reshard_load("native", self.native, t, "warm", "reshard_verify_off",
                                               ["--verify", "off"]))))
+                S.append((f"reshard_verify_full warm {short_layout(t)}", lambda t=t: self._guard(
+                    f"reshard_verify_full warm {short_layout(t)}",
+                    lambda: self.reshard_load("native", self.native, t, "warm", "reshard_verify_full",
+                                              ["--verify", "full"]))))
             if not a.skip_dcp:
                 S.append((f"dcp warm {short_layout(t)}",
                           lambda t=t: self._guard(f"dcp warm {short_layout(t)}", lambda: self.dcp_load(t, "warm"))))
@@ -474,10 +480,15 @@ class Bench:
                               lambda t=t: self._guard(f"dcp cold {short_layout(t)}", lambda: self.dcp_load(t, "cold"))))
         if not a.skip_deepspeed:
             S.append(("read ceilings (deepspeed)", lambda: self._if_ds(lambda: self.ceilings("deepspeed", ["warm"]))))
-            for t in a.targets:
+            for i, t in enumerate(a.targets):
                 S.append((f"reshard warm deepspeed {short_layout(t)}", lambda t=t: self._if_ds(
                     lambda: self._guard(f"reshard from deepspeed files {short_layout(t)}",
                                         lambda: self.reshard_load("deepspeed", self.ds, t, "warm")))))
+                if i == 0 or not a.quick:
+                    S.append((f"reshard_verify_full warm deepspeed {short_layout(t)}", lambda t=t: self._if_ds(
+                        lambda: self._guard(f"reshard_verify_full from deepspeed files {short_layout(t)}",
+                                            lambda: self.reshard_load("deepspeed", self.ds, t, "warm",
+                                                                      "reshard_verify_full", ["--verify", "full"])))))
             S.append(("UCP conversion", lambda: self._if_ds(lambda: self._guard("ucp conversion", self.ucp_convert))))
             for t in a.targets[:a.ucp_targets]:
                 S.append((f"UCP load {short_layout(t)}", lambda t=t: self._if_ds(lambda: self._guard(
@@ -540,6 +551,17 @@ def fmt(v, spec):
     return "" if v is None else format(v, spec)
 
 
+def checksummed(e):
+    """What the load checked against stored checksums: the fraction of the bytes it read that it
+    checked as it read them (verify=free), and for verify=full the cut units read whole before
+    any write on top of that."""
+    if e.get("checked_as_read") is None:
+        return ""
+    if e.get("verify") == "full":
+        return f"{e['checked_as_read']:.2f} + {e['verify_bytes_read'] / 1e9:.2f} GB cut units"
+    return f"{e['checked_as_read']:.2f}"
+
+
 def markdown(entries, info):
     m = info.get("machine", {})
     lines = [f"# reshard load benchmark", "",
@@ -551,8 +573,8 @@ def markdown(entries, info):
              f"- source layout {info.get('source_layout')}; memory budget {info.get('memory_budget')} per rank; "
              f"median of {info.get('repeat')} warm repeats", ""]
     lines += ["| system | case | ranks | seconds | GB/s | x read ceiling | read amp. | exchanged GB | plan s | "
-              "peak RSS GiB | RSS above live GiB | vs dcp | vs ucp |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "peak RSS GiB | RSS above live GiB | vs dcp | vs ucp | checksummed |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         lines.append("| " + " | ".join([
             e["system"], e["case"], fmt(e.get("ranks"), "d"), fmt(e.get("seconds"), ".3f"), fmt(e.get("gbps"), ".2f"),
@@ -561,7 +583,7 @@ def markdown(entries, info):
             fmt(e.get("plan_seconds"), ".4f"),
             fmt(e["peak_rss_bytes"] / 2**30 if e.get("peak_rss_bytes") else None, ".2f"),
             fmt(e["rss_above_live_bytes"] / 2**30 if e.get("rss_above_live_bytes") is not None else None, ".2f"),
-            fmt(e.get("speedup_vs_dcp"), ".1f"), fmt(e.get("speedup_vs_ucp"), ".1f")]) + " |")
+            fmt(e.get("speedup_vs_dcp"), ".1f"), fmt(e.get("speedup_vs_ucp"), ".1f"), checksummed(e)]) + " |")
     bds = [e for e in entries if e.get("breakdown")]
     if bds:
         lines += ["", "reshard loads, where the time goes (executor phases, max over ranks, median repeat; read = "
@@ -597,7 +619,8 @@ def plots(entries, out):
     import matplotlib.pyplot as plt
     loads = [e for e in entries if "target_layout" in e]
     targets = sorted({e["target_layout"] for e in loads}, key=lambda s: (parse_layout(s)["world"], s))
-    systems = [s for s in ("reshard", "reshard_verify_off", "reshard_nodedup", "reshard_one_read_per_job", "dcp", "ucp")
+    systems = [s for s in ("reshard", "reshard_verify_off", "reshard_verify_full", "reshard_nodedup",
+                           "reshard_one_read_per_job", "dcp", "ucp")
                if any(e["system"] == s for e in loads)]
     ceil = {(e["cache"], e["source_format"]): e for e in entries if e["system"] == "read_ceiling"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)

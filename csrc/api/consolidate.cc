@@ -30,6 +30,9 @@ Layout layout_like(const SourceLayout& source, const Topology& target, const Lik
     }
   }
   target.validate();
+  // The model's own rules first (heads, ffn, hidden, query groups against tp; layers against pp),
+  // so `convert` names the same field `plan` does.
+  cfg.validate_for(target.tp, target.pp, target.vpp);
   LayoutRecipe r;
   const std::vector<int> stage_of_layer = uniform_stage_of_layer(cfg.num_layers, target.pp, target.vpp);
   bool has_opt = false;

@@ -3,7 +3,7 @@
 // stdout (rank 0 only under mpirun); nothing here asserts a time.
 //
 //   reshard bench load PATH --target LAYOUT [--repeat N] [--cold] [--no-dedup] [--one-read-per-job]
-//                     [--verify off|free]
+//                     [--verify off|free|full]
 //       A distributed load as a trainer does it (load()), into this rank's preallocated and
 //       pre-faulted target buffers; run under `mpirun -np K` with K = the target world size.
 //       Per repeat: LoadReport numbers, peak RSS (max over ranks of ru_maxrss), live bytes of the

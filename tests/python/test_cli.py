@@ -58,6 +58,22 @@ def test_bad_topology_is_one_line_exit_2(layout, needle):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("layout,needle", [
+    ("tp=3,dp=1", "heads=8 is not divisible by tp"),
+    ("tp=1,pp=8,dp=1", "pp*vpp=8 > num_layers=4"),
+    ("tp=8,dp=1", "tp=8 > query_groups=4"),
+])
+def test_convert_names_the_same_field_as_plan(tmp_path, layout, needle):
+    ck = tmp_path / "ck"
+    assert run("synth", ck, "--model", "tiny-gpt", "--layout", "tp=1,dp=1,zero=1").returncode == 0
+    for args in (("plan", "--model", "tiny-gpt", "--source", "tp=1,dp=1", "--target", layout),
+                 ("convert", ck, tmp_path / "out", "--target", layout)):
+        r = run(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert needle in r.stderr, (args, r.stderr)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_model_file_names_field(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text("name: x\nnum_layers: 2\nhidden: 64\nheads: 6\nvocab: 100\n")

@@ -1,14 +1,14 @@
-// Reliability: "never lose a checkpoint it saved". A child process saves a tiny model over and over
+// Reliability: "never lose a checkpoint it saved". A child process saves a model over and over
 // (new step names and overwrites of existing steps; synth_checkpoint and the collective
 // save_native), and the parent kills it with SIGKILL at uniformly random moments, many times.
 // After every kill: `latest` names a step that opens and verifies, every visible step folder
 // verifies, the step `latest` named after the previous kill still verifies unless a newer
 // complete save replaced it, and values match what the writer wrote. At the end a normal save
-// into the littered root succeeds and loads.
+// into the littered root succeeds, loads, and removes the dead temporaries.
 //
-// tests/unit/native_crash_test.cc does the same with a 45 MB model and 10 kills; this one uses a
-// model small enough (~60 KB) that a save takes milliseconds, so each run lands kills in every
-// phase of the protocol (rank files, metadata, rename, `latest`) many times within a few seconds.
+// Two sizes: a ~60 KB model whose saves take milliseconds, so each run lands kills in every phase
+// of the protocol (rank files, metadata, rename, `latest`) many times within seconds; and a ~45 MB
+// model whose kills land mostly inside the bulk data writes.
 // Replay with RESHARD_TEST_SEED=<printed seed>; RESHARD_RELIABILITY_KILLS=<n> for longer runs.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -31,6 +31,18 @@
 namespace reshard {
 namespace {
 
+ModelConfig big() {
+  ModelConfig m;
+  m.name = "crash";
+  m.num_layers = 4;
+  m.hidden = 256;
+  m.heads = 8;
+  m.ffn = 1024;
+  m.vocab = 5000;
+  m.param_dtype = DType::BF16;
+  return m;  // about 45 MB per checkpoint at the layouts below
+}
+
 ModelConfig tiny() {
   ModelConfig m;
   m.name = "kill";
@@ -44,9 +56,8 @@ ModelConfig tiny() {
   return m;
 }
 
-[[noreturn]] void child_loop(const std::string& root, uint64_t seed0, uint64_t first) {
+[[noreturn]] void child_loop(const std::string& root, const ModelConfig& m, uint64_t seed0, uint64_t first) {
   try {
-    const ModelConfig m = tiny();
     DeriveOptions o;
     o.weights_on_dp0_only = true;
     const Layout single = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"), o);
@@ -105,27 +116,28 @@ void check_step(const std::string& root, const std::string& step) {
   }
 }
 
-TEST(ReliabilitySaveKill, ManyRandomKillsNeverLoseTheLastCompleteCheckpoint) {
-  const uint64_t seed = testing::test_seed("ReliabilitySaveKill.ManyRandomKillsNeverLoseTheLastCompleteCheckpoint");
+// Kills a saving child `kills` times (at least `min_kills`, then until `budget` is spent) and checks
+// the root after each kill and after a final normal save.
+void run_kills(const char* name, const ModelConfig& m, int kills, int min_kills, std::chrono::seconds budget) {
+  const uint64_t seed = testing::test_seed(name);
   std::mt19937_64 rng(seed);
   const std::string root = testing::make_temp_dir("rel_kill_");
-  const char* env = std::getenv("RESHARD_RELIABILITY_KILLS");
-  const int kills = env ? std::atoi(env) : 60;
+  if (const char* env = std::getenv("RESHARD_RELIABILITY_KILLS")) kills = std::atoi(env);
   const auto t_start = std::chrono::steady_clock::now();
   std::string prev_latest;
   int done = 0, ended_by_itself = 0;
   for (int k = 0; k < kills; ++k) {
     // Stay well inside the per-file budget on a loaded machine (at least 15 kills).
-    if (k >= 15 && std::chrono::steady_clock::now() - t_start > std::chrono::seconds(18)) break;
+    if (k >= min_kills && std::chrono::steady_clock::now() - t_start > budget) break;
     SCOPED_TRACE("kill " + std::to_string(k) + " seed " + std::to_string(seed));
     std::fflush(nullptr);
     pid_t pid = ::fork();
     ASSERT_GE(pid, 0);
-    if (pid == 0) child_loop(root, uint64_t(k) * 1000 + 1, rng() % 8);
+    if (pid == 0) child_loop(root, m, uint64_t(k) * 1000 + 1, rng() % 8);
     // One completed save (a new `latest` inode) gives the period; kill uniformly within 2 periods.
     const auto t0 = std::chrono::steady_clock::now();
     const uint64_t before = testing::latest_inode(root);
-    while (testing::latest_inode(root) == before && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+    while (testing::latest_inode(root) == before && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     const int64_t period = std::max<int64_t>(
         200, std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
@@ -148,14 +160,14 @@ TEST(ReliabilitySaveKill, ManyRandomKillsNeverLoseTheLastCompleteCheckpoint) {
     prev_latest = name;
     ++done;
   }
-  EXPECT_GE(done, 15);
+  EXPECT_GE(done, min_kills);
   // A normal save into the root littered with dead temporaries succeeds and loads.
-  synth_checkpoint(root, tiny(), Topology::parse("tp=1,dp=2,zero=1"), 99, "step-final");
+  synth_checkpoint(root, m, Topology::parse("tp=1,dp=2,zero=1"), 99, "step-final");
   check_step(root, "step-final");
   {
     auto r = open_checkpoint(root);
     EXPECT_EQ(io::base_name(r->path()), "step-final");
-    const Layout t = derive_layout(tiny(), Topology::parse("tp=1,dp=1,zero=1"));
+    const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
     std::vector<std::vector<uint8_t>> mem;
     std::vector<void*> ptrs;
     for (const auto& b : t.buffers) mem.emplace_back(size_t(b.numel) * dtype_size(b.dtype), 0);
@@ -170,12 +182,21 @@ TEST(ReliabilitySaveKill, ManyRandomKillsNeverLoseTheLastCompleteCheckpoint) {
       ++temporaries;
       names += " " + n;
     }
-  std::printf("kills: %d in %.1f s (seed %llu); leftover temporaries: %d\n", done,
+  std::printf("%s: %d kills in %.1f s (seed %llu); leftover temporaries: %d\n", m.name.c_str(), done,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(),
               (unsigned long long)seed, temporaries);
   // That save also removed the dead temporaries of the killed ones (each can be checkpoint-sized).
   EXPECT_EQ(temporaries, 0) << names;
   io::remove_all(root);
+}
+
+TEST(ReliabilitySaveKill, ManyRandomKillsNeverLoseTheLastCompleteCheckpoint) {
+  // Stay well inside the per-file budget on a loaded machine (at least 15 kills).
+  run_kills("ReliabilitySaveKill.ManyRandomKills", tiny(), 60, 15, std::chrono::seconds(18));
+}
+
+TEST(ReliabilitySaveKill, KillsInsideTheDataWritesOfALargerModel) {
+  run_kills("ReliabilitySaveKill.KillsInsideTheDataWrites", big(), 10, 10, std::chrono::seconds(0));
 }
 
 }  // namespace
