@@ -122,7 +122,7 @@ ModelConfig load_model_config(const std::string& path) { return parse_model_conf
 
 ResumeConfig load_resume_config(const std::string& path) {
   YAML::Node n = parse_yaml(read_text(path), path);
-  check_keys(n, {"checkpoint", "model", "target", "policies"}, path, "");
+  check_keys(n, {"checkpoint", "model", "target", "policies", "verify"}, path, "");
   ResumeConfig rc;
   if (const YAML::Node c = n["checkpoint"]) {
     check_keys(c, {"root", "step"}, path, "checkpoint.");
@@ -131,6 +131,9 @@ ResumeConfig load_resume_config(const std::string& path) {
   }
   if (rc.checkpoint.empty()) fail(ErrorCode::kInvalidArgument, path, ": field checkpoint.root is missing");
   rc.model = get<std::string>(n, "model", path, "");
+  rc.verify = get<std::string>(n, "verify", path, "free");
+  if (rc.verify != "free" && rc.verify != "full" && rc.verify != "off")
+    fail(ErrorCode::kInvalidArgument, path, ": field verify is '", rc.verify, "'; expected free, full or off");
   try {
     rc.target = Topology::parse(get<std::string>(n, "target", path, ""));
   } catch (const Error& e) {

@@ -488,6 +488,7 @@ PYBIND11_MODULE(_C, m) {
     t["tp"] = rc.target.tp; t["pp"] = rc.target.pp; t["vpp"] = rc.target.vpp; t["dp"] = rc.target.dp; t["zero"] = rc.target.zero;
     d["target_topology"] = t;
     d["policies"] = plan_options_to_py(rc.plan);
+    d["verify"] = rc.verify;
     return d;
   });
 

@@ -26,8 +26,10 @@ struct ResumeConfig {
   std::string model;          // model file ("" = from the checkpoint's metadata / args)
   Topology target;            // layout of the job that starts now
   PlanOptions plan;           // replica policy and tolerance, strictness, memory budget, dedup
+  std::string verify = "free";  // LoadOptions::verify: free | full | off
 };
-/// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=..", policies: {replicas: error|average|first,
+/// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=..", verify: free|full|off (default free),
+/// policies: {replicas: error|average|first,
 /// replica_atol, strict_missing, strict_unexpected, memory_budget_bytes (or memory_budget_gib), dedup,
 /// compare_replicas, weights_from_master, node_local_reads}.
 ResumeConfig load_resume_config(const std::string& path);

@@ -447,7 +447,7 @@ def reshard_all_reduce_float_max(v: float) -> float:
 
 def load_from_resume_config(engine, args, path: str) -> Tuple[int, int, dict]:
     """Reads configs/resume/*.yaml (reshard.load_resume_config), checks that its target layout is
-    this job's, and calls reshard_load with its checkpoint, step, model and policies."""
+    this job's, and calls reshard_load with its checkpoint, step, model, policies and verify."""
     rc = reshard.load_resume_config(path)
     cfg = engine.module.gpt_config
     t = rc["target_topology"]
@@ -458,4 +458,4 @@ def load_from_resume_config(engine, args, path: str) -> Tuple[int, int, dict]:
             f"{path}: field target: {rc['target']} but this job runs tp={cfg.tp},pp={cfg.pp},vpp=1,dp={cfg.dp},zero=1; "
             "start the job with the layout the resume config names, or change the file")
     return reshard_load(engine, args, rc["checkpoint"], step=rc["step"] or None, policies=rc["policies"],
-                        model=rc["model"] or None)
+                        model=rc["model"] or None, verify=rc["verify"])

@@ -234,6 +234,20 @@ def test_resume_configs():
     assert (rc["target_topology"]["tp"], rc["target_topology"]["pp"], rc["target_topology"]["dp"]) == (1, 2, 4)
     assert rc["step"] == "24" and rc["policies"]["memory_budget_bytes"] == 2**30
     assert rc["policies"]["node_local_reads"] is True and rc["policies"]["compare_replicas"] is True
+    assert rc["verify"] == "full"
+
+
+def test_resume_config_verify_field(tmp_path):
+    base = "checkpoint: {root: /x}\ntarget: tp=1,pp=1,dp=1,zero=1\n"
+    f = tmp_path / "rc.yaml"
+    f.write_text(base)
+    assert reshard.load_resume_config(str(f))["verify"] == "free"
+    f.write_text(base + "verify: off\n")
+    assert reshard.load_resume_config(str(f))["verify"] == "off"
+    f.write_text(base + "verify: always\n")
+    with pytest.raises(reshard.InvalidArgument) as e:
+        reshard.load_resume_config(str(f))
+    assert "field verify is 'always'" in str(e.value) and str(f) in str(e.value)
 
 
 COMM_CHECK = r'''
