@@ -82,15 +82,6 @@ Box rel_box(const Box& b) {
   return r;
 }
 
-// Walking the box row-major visits consecutive elements (packed index == element offset).
-bool row_major_contiguous(const Box& box, const std::array<int64_t, kMaxDims>& strides) {
-  int64_t expect = 1;
-  for (int d = box.ndim - 1; d >= 0; --d) {
-    if (box.len[d] != 1 && strides[d] != expect) return false;
-    expect *= box.len[d];
-  }
-  return true;
-}
 
 // Gathers one status string per rank; throws on every rank if any is non-empty (as the executor).
 void agree_or_throw(Communicator& comm, const std::string& mine, ErrorCode code, const std::string& what,
@@ -261,12 +252,12 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
     FragInfo fi;
     fi.index = i;
     const Box rel = rel_box(f.box);
-    fi.src_contiguous = row_major_contiguous(rel, f.src_strides);
+    fi.src_contiguous = box_is_dense(rel, f.src_strides);
     if (!fi.src_contiguous)
       for_each_run(rel, f.src_strides, [&](int64_t e, int64_t c, int64_t p) { fi.runs.push_back({e, c, p}); });
     if (f.num_deliveries == 1) {
       const Delivery& dv = plan.deliveries[f.first_delivery];
-      fi.dst_direct = target.buffers[dv.buffer].dtype == f.src_dtype && row_major_contiguous(rel, dv.strides);
+      fi.dst_direct = target.buffers[dv.buffer].dtype == f.src_dtype && box_is_dense(rel, dv.strides);
     }
     infos.push_back(std::move(fi));
   }
@@ -365,7 +356,7 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
       if (!cuda_detail::gpu_can_convert(f.src_dtype, b.dtype))
         fail(ErrorCode::kUnsupported, "cannot convert ", dtype_name(f.src_dtype), " to ", dtype_name(b.dtype), " for ",
              b.name);
-      if (row_major_contiguous(rel, dv.strides)) {
+      if (box_is_dense(rel, dv.strides)) {
         if (b.dtype == f.src_dtype) {
           RESHARD_CUDA(cudaMemcpyAsync(base + uint64_t(p.e0) * des, from, n * des, cudaMemcpyDeviceToDevice, st));
         } else {
@@ -464,7 +455,7 @@ DirectResult run_direct(const Plan& plan, const Layout& target, const Checkpoint
       const Box rel = rel_box(f.extent);
       if (rel.numel() == 0) continue;
       written = true;
-      if (row_major_contiguous(rel, f.strides))
+      if (box_is_dense(rel, f.strides))
         RESHARD_CUDA(cudaMemsetAsync(base, 0, uint64_t(rel.numel()) * es, stg.streams[0]));
       else
         RESHARD_CUDA(cuda_detail::launch_fill_zero(base, es, box_args(rel, f.strides), stg.streams[0]));
@@ -516,6 +507,11 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
   std::string source_mode = co.source == "auto" ? "pread" : co.source;
   if (source_mode != "pread" && source_mode != "mmap")
     fail(ErrorCode::kInvalidArgument, "CudaLoadOptions::source='", co.source, "' must be auto, pread or mmap");
+  // The mmap source copies from the file mapping to the GPU without the CPU reading the bytes, so
+  // it checks no checksum; "full" promises every unit is checked.
+  if (source_mode == "mmap" && options.verify == "full")
+    fail(ErrorCode::kInvalidArgument, "load option verify='full' needs CudaLoadOptions::source pread or auto: the mmap "
+         "source copies pieces straight from the file mapping to the GPU and cannot check their checksums");
 
   int device = co.device;
   if (device < 0) RESHARD_CUDA(cudaGetDevice(&device));

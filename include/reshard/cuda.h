@@ -40,7 +40,8 @@ struct CudaLoadOptions {
   ///  "pread": positioned reads into pinned slots (CPU copies out of the page cache);
   ///  "mmap":  the GPU copies straight out of a read-only mmap of the file registered with
   ///           cudaHostRegister(ReadOnly), for fragments contiguous in the file (the others use
-  ///           pread); no CPU copy, but stored checksums cannot be checked on the way;
+  ///           pread); no CPU copy, but stored checksums cannot be checked on the way
+  ///           (LoadOptions::verify "full" with "mmap" is Error(kInvalidArgument));
   ///  "auto":  "pread".
   std::string source = "auto";
   /// Force the host path even when the direct path applies (tests, comparisons).
