@@ -43,7 +43,7 @@ struct LoadReport {
                                       // (page cache, not storage; node_local_reads)
   uint64_t bytes_needed = 0;      // distinct source bytes
   uint64_t bytes_exchanged = 0;   // all ranks, sent to another rank
-  uint64_t verify_bytes_read = 0; // all ranks, replica comparison reads
+  uint64_t verify_bytes_read = 0; // all ranks: replica comparison reads and verify="full"'s cut units
   uint64_t target_bytes = 0;      // bytes of live state written, all ranks
   uint64_t checksums_verified = 0;  // all ranks: fragments whose stored checksum was checked
   /// All ranks: bytes of those fragments. With verify="free", bytes_verified < bytes_read means

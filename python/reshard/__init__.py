@@ -299,11 +299,14 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     step, json, per_rank (only when the layout is identical)}, "text"}``.
 
     Raises, on every rank and before any tensor is written: InvalidArgument (tensors that do not
-    match the layout, strictness, shapes), DataLoss (uncovered elements, missing or short files,
-    replicas that differ under policy "error": names the tensor and max |diff|; a checksum
-    mismatch), InvalidArgument (tensors on several devices). FailedPrecondition when a failure
-    happens after live tensors were partly written (or a peer of the communicator fails): they are
-    then unusable and the trainer must abort.
+    match the layout, strictness, shapes, a verify value other than off/free/full), DataLoss
+    (uncovered elements, missing or short files, replicas that differ under policy "error": names
+    the tensor and max |diff|; a checksum mismatch in a piece sent to another rank or, with
+    verify="full", in a piece cut between ranks), InvalidArgument (tensors on several devices).
+    FailedPrecondition when a failure happens after live tensors were partly written (a checksum
+    mismatch found right before a local copy: no byte of that piece was copied; or a peer of the
+    communicator fails): they are then unusable and the trainer must abort. CUDA tensors are
+    written only after the whole load succeeded, so they are never partly written.
     """
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
     comm = _default_comm(comm)
