@@ -188,9 +188,9 @@ std::string LoadReport::to_text() const {
   os << "  read " << bytes_read / 1e9 << " GB (needed " << bytes_needed / 1e9 << " GB), exchanged "
      << bytes_exchanged / 1e9 << " GB, wrote " << target_bytes / 1e9 << " GB in " << seconds << " s ("
      << gbps << " GB/s), plan " << plan_seconds << " s, " << waves << " wave(s)\n";
-  os << "  checksums: " << bytes_verified / 1e9 << " of the " << bytes_read / 1e9 << " GB read checked as read ("
-     << checksums_verified << " pieces); " << verify_bytes_read / 1e9
-     << " GB read for checks (replica comparisons, verify=full's cut pieces)\n";
+  os << "  checksums: " << bytes_verified / 1e9 << " GB checked (" << checksums_verified << " pieces / records) for "
+     << bytes_read / 1e9 << " GB read; " << verify_bytes_read / 1e9
+     << " GB read for checks (replica comparisons, verify=full)\n";
   for (const auto& p : policies) os << "  policy: " << p << "\n";
   for (const auto& n : not_carried) os << "  not carried over: " << n << "\n";
   for (const auto& n : replica_report) os << "  replicas differ: " << n << "\n";

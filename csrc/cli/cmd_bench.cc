@@ -341,7 +341,8 @@ Command bench_command() {
     l->add_option("--repeat", la->repeat, "Loads to time (default 1)");
     l->add_option("--io-threads", la->io_threads, "Read threads per rank (default 4)");
     l->add_option("--memory-budget", la->budget, "Per-rank staging budget per wave (default 1GiB)");
-    l->add_option("--verify", la->verify, "Checksum checks while loading: off, free or full (default free; see LoadOptions::verify)");
+    l->add_option("--verify", la->verify, "Checksum checks while loading: off, free or full (default free; see LoadOptions::verify)")
+        ->check(CLI::IsMember({"off", "free", "full"}));
     l->add_option("--label", la->label, "Free text copied into the output");
     l->add_flag("--cold", la->cold, "Evict the source files from the page cache before each load");
     l->add_flag("--no-dedup", la->no_dedup, "Each rank reads what it needs (no fan-out)");

@@ -43,32 +43,32 @@ std::string real_path(const std::string& p) {
   return ::realpath(p.c_str(), buf) ? std::string(buf) : p;
 }
 
-// Checksums of the pieces with index p % parts == part (native sources store one per piece).
+// Checks every checksummed unit of the source (native: each piece's xxh3; DeepSpeed: each zip
+// record's CRC-32) with index % parts == part, each read whole.
 std::vector<std::string> check_pieces(const CheckpointReader& ckpt, int part, int parts) {
-  const SourceLayout& src = ckpt.source();
-  std::vector<int> todo;
-  for (size_t p = 0; p < src.layout.pieces.size(); ++p)
-    if (int(p % size_t(parts)) == part && src.locations[src.layout.pieces[p].buffer].file >= 0) todo.push_back(int(p));
+  const std::vector<ChecksumUnit> all = ckpt.checksum_units();
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < all.size(); ++i)
+    if (int(i % size_t(parts)) == part) todo.push_back(i);
   std::vector<std::string> problems;
   std::mutex mu;
   std::atomic<size_t> next{0};
   auto work = [&] {
     std::vector<char> buf;
     for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
-      const Piece& pc = src.layout.pieces[todo[k]];
-      const Buffer& b = src.layout.buffers[pc.buffer];
-      const auto& loc = src.locations[pc.buffer];
-      const size_t es = dtype_size(b.dtype);
-      // Elements the piece spans in its buffer: base .. base + sum((len-1) * stride).
-      int64_t span = 1;
-      for (int d = 0; d < pc.box.ndim; ++d) span += (pc.box.len[d] - 1) * pc.strides[d];
-      if (pc.box.numel() == 0) continue;
-      const uint64_t off = loc.byte_offset + uint64_t(pc.base) * es, len = uint64_t(span) * es;
+      const ChecksumUnit& u = all[todo[k]];
       std::string why;
       try {
-        buf.resize(len);
-        ckpt.read(loc.file, off, len, buf.data());
-        why = ckpt.verify_range(loc.file, off, len, buf.data());
+        // Out of the file mapping where the reader has one (a ZeRO flat partition record can be
+        // many GB); the size check first, since a byte past the end of a mapping is SIGBUS.
+        const uint8_t* map = ckpt.mapped(u.file);
+        if (map && ckpt.file_size(u.file) >= u.offset + u.length) {
+          why = ckpt.verify_range(u.file, u.offset, u.length, map + u.offset);
+        } else {
+          buf.resize(u.length);
+          ckpt.read(u.file, u.offset, u.length, buf.data());
+          why = ckpt.verify_range(u.file, u.offset, u.length, buf.data());
+        }
       } catch (const Error& e) {
         why = e.what();
       }
@@ -92,6 +92,16 @@ std::vector<std::string> check_pieces(const CheckpointReader& ckpt, int part, in
   for (size_t i = 0; i < problems.size() && i < 8; ++i) msg += (i ? "; " : "") + problems[i];
   if (problems.size() > 8) msg += "; ... (`reshard verify` lists all)";
   fail(ErrorCode::kDataLoss, msg);
+}
+
+// convert writes new checksums over what it read: say how much of that it checked first.
+void warn_unchecked(const std::string& verify, uint64_t checked, uint64_t read) {
+  if (checked >= read) return;
+  std::fprintf(stderr,
+               "reshard: warning: --verify %s checked %.6f of the %.6f GB read against the source's checksums; the "
+               "output's new checksums cover the unchecked bytes as they were read (--verify full, the default, "
+               "checks every source piece first)\n",
+               verify.c_str(), checked / 1e9, read / 1e9);
 }
 
 // Source data files that do not exist, for a coverage error's message.
@@ -127,8 +137,8 @@ Command convert_command() {
     s->add_option("--source-step", a->source_step, "Source step to read (default: the one `latest` names)");
     s->add_option("--model", a->model, "Model YAML where the source files do not record it (DeepSpeed)");
     s->add_option("--verify", a->verify,
-                  "Source checksum checks before writing: full (every piece read, default), free (only fragments "
-                  "that are whole stored pieces), off")
+                  "Source checksum checks before writing: full (every stored piece / DeepSpeed record, default), "
+                  "free (only what is read as whole pieces / records; a warning says how much), off")
         ->check(CLI::IsMember({"full", "free", "off"}));
     s->add_flag("--no-dedup", a->no_dedup, "Each rank reads what it needs (no fan-out)");
     s->add_flag("--overwrite", a->overwrite, "Replace OUT's step folder if it exists (atomically); without it "
@@ -188,8 +198,8 @@ Command convert_command() {
         if (e.code() != ErrorCode::kDataLoss) throw;
         fail(ErrorCode::kDataLoss, missing_files(*ckpt), e.what());
       }
-      // Checksums of every stored piece, split over the ranks, before anything is written.
-      if (a->verify == "full" && ckpt->writer() == "native") {
+      // Checksums of every stored piece / record, split over the ranks, before anything is written.
+      if (a->verify == "full") {
         std::vector<std::string> problems = check_pieces(*ckpt, rank, comm ? comm->size() : 1);
         if (comm) {
           std::string mine;
@@ -221,23 +231,38 @@ Command convert_command() {
       if (comm) {
         LoadOptions lo;
         lo.plan = po;
-        lo.verify = a->verify == "off" ? "off" : "free";
+        lo.verify = a->verify == "full" ? "off" : a->verify;  // "full": every unit was checked above
         LoadReport r = load(*ckpt, target, ptrs, *comm, lo);
         save_native(a->out, step, target, cptrs, state, *comm);
         if (rank == 0) {
           std::fputs(r.to_text().c_str(), stdout);
+          if (a->verify != "full") warn_unchecked(a->verify, r.bytes_verified, r.bytes_read);
+          if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first\n");
           std::printf("wrote %s/%s (%d ranks under mpirun) in %.3f s\n", a->out.c_str(), step.c_str(), comm->size(),
                       since(t0));
         }
       } else {
+        // verify free: a read that is exactly one checksummed piece is checked as it is read (full
+        // checked every piece above).
+        std::atomic<uint64_t> checked{0};
         simulate_plan(plan, target,
-                      [&](int32_t f, uint64_t off, uint64_t len, void* dst) { ckpt->read(f, off, len, dst); }, ptrs);
+                      [&](int32_t f, uint64_t off, uint64_t len, void* dst) {
+                        ckpt->read(f, off, len, dst);
+                        if (a->verify != "free" || !ckpt->has_checksum(f, off, len)) return;
+                        std::string bad = ckpt->verify_range(f, off, len, dst);
+                        if (!bad.empty())
+                          fail(ErrorCode::kDataLoss, bad, "; nothing was written to ", a->out);
+                        checked += len;
+                      },
+                      ptrs);
         save_native_all_ranks(a->out, step, target, cptrs, state);
         std::printf("reshard: %s -> %s (%s), writer %s\n", src.layout.topo.to_string().c_str(),
                     target.topo.to_string().c_str(), plan.change.c_str(), ckpt->writer().c_str());
         std::printf("  read %.6f GB, wrote %.6f GB of state, %d wave(s)\n", plan.bytes_to_read / 1e9,
                     plan.target_bytes / 1e9, plan.num_waves);
         for (const auto& n : plan.notes) std::printf("  note: %s\n", n.c_str());
+        if (a->verify != "full") warn_unchecked(a->verify, checked.load(), plan.bytes_to_read);
+        if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first\n");
         std::printf("wrote %s/%s (one process) in %.3f s\n", a->out.c_str(), step.c_str(), since(t0));
       }
     } catch (const Error& e) {

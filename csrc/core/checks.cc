@@ -64,7 +64,7 @@ std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<Checksu
   }
   std::vector<ChecksumCheck> out;
   for (size_t i = 0; i < units.size(); ++i)
-    if (best[i].touched && !best[i].whole) out.push_back({units[i], best[i].checker});
+    if (best[i].touched) out.push_back({units[i], best[i].checker, !best[i].whole});
   return out;
 }
 

@@ -545,7 +545,7 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     }
     cs.source = source_mode;
     st.replica_report = run_preflight(plan, target, ckpt, dev, comm, options.plan.replica_policy,
-                                      options.plan.replica_atol, &st.verify_bytes_read,
+                                      options.plan.replica_atol, &st,
                                       options.verify == "full" ? VerifyMode::kFull : VerifyMode::kFree, co.io_threads > 0 ? co.io_threads : 16);
     const int threads = co.io_threads > 0 ? co.io_threads : 16;
     const int slots = std::max(1, co.slots_per_thread);
@@ -562,14 +562,14 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     cs.io_threads = threads;
     cs.pinned_bytes = uint64_t(threads) * slots * chunk;
     auto tc = Clock::now();
-    DirectResult d = run_direct(plan, target, ckpt, dev, me, threads, source_mode == "mmap", options.verify != "off", g_staging);
+    DirectResult d = run_direct(plan, target, ckpt, dev, me, threads, source_mode == "mmap", options.verify == "free", g_staging);
     cs.copy_seconds = since(tc);
     cs.h2d_bytes = d.h2d;
     cs.gpu_converted_bytes = d.converted;
     cs.chunks = d.chunks;
     cs.registered_bytes = d.registered;
-    st.checksums_verified = d.verified;
-    st.bytes_verified = d.verified_bytes;
+    st.checksums_verified += d.verified;  // "full" counted its pre-flight checks already
+    st.bytes_verified += d.verified_bytes;
     for (const Fragment& f : plan.fragments)
       if (f.reader == me) st.bytes_read += f.bytes();
     agree_or_throw(comm, d.error.empty() ? "" : prefix(comm) + d.error, ErrorCode::kDataLoss, "CUDA load", d.written);

@@ -91,7 +91,8 @@ int remote_ranks(const Plan& plan, const Fragment& f) {
 
 std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
                                        const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
-                                       double atol, uint64_t* verify_bytes_read, VerifyMode verify, int io_threads) {
+                                       double atol, ExecStats* stats, VerifyMode verify, int io_threads) {
+  uint64_t* verify_bytes_read = &stats->verify_bytes_read;
   const int me = comm.rank();
   const int W = comm.size();
   const SourceLayout& src = source.source();
@@ -125,7 +126,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         note_range(c.authoritative.file, c.authoritative.byte_base, c.authoritative.dtype, c.box, c.authoritative.strides);
         note_range(c.replica.file, c.replica.byte_base, c.replica.dtype, c.box, c.replica.strides);
       }
-    // verify="full": the checksum units that fragments cut (the same list on every rank).
+    // verify="full": every checksum unit the plan touches (the same list on every rank).
     std::vector<ChecksumCheck> checks;
     if (verify == VerifyMode::kFull) checks = checksum_checks(plan, source.checksum_units());
     std::vector<size_t> my_checks;
@@ -154,8 +155,8 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
     std::string mine = nprob ? prefix(comm) + problems.str() : "";
     agree_or_throw(comm, mine, ErrorCode::kDataLoss, "pre-flight check", false);
 
-    // Checksum units cut between fragments (verify="full"): each read whole by its checker, out
-    // of the file mapping where the reader has one, and checked before any write.
+    // verify="full": every unit read whole by its checker, out of the file mapping where the
+    // reader has one, and checked before any write (all or nothing).
     std::atomic<uint64_t> checked_bytes{0};
     std::string uerr = parallel_for(my_checks.size(), std::max(1, io_threads), [&](size_t k) {
       const ChecksumUnit& u = checks[my_checks[k]].unit;
@@ -172,6 +173,8 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       checked_bytes.fetch_add(u.length);
     });
     *verify_bytes_read += checked_bytes.load();
+    stats->bytes_verified += checked_bytes.load();
+    stats->checksums_verified += my_checks.size();
     agree_or_throw(comm, uerr.empty() ? "" : prefix(comm) + uerr, ErrorCode::kDataLoss,
                    "checksum check (verify=\"full\")", false);
 
@@ -225,7 +228,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
 
   // 1-2. Same plan everywhere; pre-flight of files and buffers; replica comparisons.
   st.replica_report = run_preflight(plan, target, source, buffers, comm, opt.replica_policy, opt.replica_atol,
-                                    &st.verify_bytes_read, opt.verify, opt.io_threads);
+                                    &st, opt.verify, opt.io_threads);
 
   // 3. Waves. Fragments are sorted by wave; find each wave's range once.
   std::vector<size_t> wave_begin(plan.num_waves + 1, plan.fragments.size());
@@ -267,9 +270,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // Staging/send/recv memory is reused across waves and never zero-initialised; unpack and
   // receive-scatter run on the thread pool.
   auto dense = box_is_dense;
-  // A fragment whose bytes are exactly one checksummed unit, in file order: its reader checks it.
+  // A fragment whose bytes are exactly one checksummed unit, in file order: its reader checks it
+  // (verify="free"; "full" checked every unit in the pre-flight).
   auto checked = [&](const Fragment& f) {
-    return opt.verify != VerifyMode::kOff && dense(f.box, f.src_strides) && source.has_checksum(f.file, f.byte_base, f.bytes());
+    return opt.verify == VerifyMode::kFree && dense(f.box, f.src_strides) && source.has_checksum(f.file, f.byte_base, f.bytes());
   };
   // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
   // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's

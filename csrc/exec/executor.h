@@ -27,7 +27,7 @@ namespace reshard {
 enum class VerifyMode : uint8_t {
   kOff,   // no checksum checks during load
   kFree,  // check stored checksums of fragments that are exactly one stored piece (no extra reads)
-  kFull,  // also every checksum unit a fragment cuts: read whole by one rank and checked in the
+  kFull,  // every checksum unit the plan touches, read whole by one rank and checked in the
           // pre-flight, before any write (checksum_checks in plan.h; the reads count as verify reads)
 };
 
@@ -58,13 +58,14 @@ struct ExecStats {
 };
 
 /// Steps 1-2 alone (plan-hash agreement, pre-flight of the files and byte ranges this rank reads
-/// and of its buffers, replica comparisons, and with verify kFull the checksum units fragments
-/// cut, on up to io_threads threads), collective; every executor runs them before its first
+/// and of its buffers, replica comparisons, and with verify kFull every checksum unit the plan
+/// touches, on up to io_threads threads), collective; every executor runs them before its first
 /// write. Throws as described above; returns the replica report (policies other than error) and
-/// adds the comparison and checksum-unit reads to *verify_bytes_read.
+/// adds the comparison and checksum-unit reads to stats->verify_bytes_read and the units checked
+/// to stats->checksums_verified / bytes_verified.
 std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
                                        const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
-                                       double atol, uint64_t* verify_bytes_read, VerifyMode verify = VerifyMode::kFree,
+                                       double atol, ExecStats* stats, VerifyMode verify = VerifyMode::kFree,
                                        int io_threads = 1);
 
 /// Executes this rank's part of `plan`. `buffers[i]` points at target layout buffer i when that

@@ -189,18 +189,21 @@ struct ChecksumUnit {
 struct ChecksumCheck {
   ChecksumUnit unit;
   int32_t checker = 0;
+  /// No fragment reads the unit whole and dense (a tp split, a ZeRO re-cut, a DeepSpeed flat
+  /// partition read tensor by tensor): verify="free" cannot check it.
+  bool cut = false;
 };
 
 /// True when a box whose element (i_0, ..., i_n) lies at sum(i_d * strides[d]) is one contiguous
 /// run in row-major box order (dims of length 1 ignored).
 bool box_is_dense(const Box& box, const std::array<int64_t, kMaxDims>& strides);
 
-/// For verify="full": every checksum unit that a fragment of `plan` reads bytes of, except the
-/// units some fragment reads exactly whole and dense (its reader checks those as the bytes go by,
-/// as verify="free" does). Each gets one checker: the reader of the fragment with the most bytes
-/// inside the unit (ties: the earlier fragment), so the extra read is the smallest and stays on
-/// a machine that reads the unit anyway. Sorted by (file, offset). Units may overlap. Pure: no
-/// I/O; O(fragments x units touched + units log units).
+/// For verify="full": every checksum unit that a fragment of `plan` reads bytes of, each with one
+/// checker: the reader of the fragment with the most bytes inside the unit (ties: the earlier
+/// fragment), so a unit read whole is checked by the rank that reads it and a cut unit's extra
+/// read is the smallest and stays on a machine that reads the unit anyway. `cut` marks the units
+/// no fragment reads whole and dense. Sorted by (file, offset). Units may overlap. Pure: no I/O;
+/// O(fragments x units touched + units log units).
 std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<ChecksumUnit> units);
 
 /// Box difference a \ b as at most 2*ndim disjoint boxes.

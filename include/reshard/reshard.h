@@ -25,8 +25,9 @@ struct LoadOptions {
   ///    bytes go anywhere, at no extra read. Units cut between fragments (a tp split, a ZeRO
   ///    partition re-cut, a DeepSpeed flat partition read tensor by tensor) are not checked:
   ///    LoadReport::bytes_verified < bytes_read says how much was.
-  ///  - "full": also every unit a fragment cuts, read whole by one rank and checked in the
-  ///    pre-flight before any write; the extra reads count in verify_bytes_read.
+  ///  - "full": every unit the load touches (also those cut between fragments), read whole by
+  ///    one rank and checked in the pre-flight before any write, so any mismatch is kDataLoss
+  ///    with no live tensor written; the pass counts in verify_bytes_read.
   ///  - "off": none.
   /// Errors: a mismatch is Error(kDataLoss) naming file, tensor/record and byte range, or
   /// kFailedPrecondition ("the live state is unusable") when checked pieces were already copied;
@@ -43,7 +44,7 @@ struct LoadReport {
                                       // (page cache, not storage; node_local_reads)
   uint64_t bytes_needed = 0;      // distinct source bytes
   uint64_t bytes_exchanged = 0;   // all ranks, sent to another rank
-  uint64_t verify_bytes_read = 0; // all ranks: replica comparison reads and verify="full"'s cut units
+  uint64_t verify_bytes_read = 0; // all ranks: replica comparison reads and verify="full"'s pass
   uint64_t target_bytes = 0;      // bytes of live state written, all ranks
   uint64_t checksums_verified = 0;  // all ranks: fragments whose stored checksum was checked
   /// All ranks: bytes of those fragments. With verify="free", bytes_verified < bytes_read means

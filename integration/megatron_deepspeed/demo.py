@@ -97,6 +97,7 @@ def main(argv=None):
         with open(rc_path, "w") as f:
             f.write(f"checkpoint:\n  root: {load_root}\n  step: \"{K}\"\n"
                     f"target: tp={tp},pp={pp},dp={dp},zero=1\n"
+                    "verify: full\n"  # every checksummed record read is checked before any write
                     "policies:\n  replicas: error\n  strict_missing: true\n  strict_unexpected: true\n"
                     "  memory_budget_gib: 1\n")
         losses = run(name, tp, pp, dp, "train",
@@ -123,6 +124,7 @@ def main(argv=None):
             "reshard_gbps": rep["gbps"],
             "bytes_read": rep["bytes_read"],
             "bytes_exchanged": rep["bytes_exchanged"],
+            "bytes_verified": rep["bytes_verified"],
             "target_bytes": rep["target_bytes"],
             "peak_rss_bytes": rep["rank_peak_rss_bytes"],
             "peak_staging_bytes": rep["peak_staging_bytes"],
@@ -142,7 +144,8 @@ def main(argv=None):
     print()
     for r in results:
         print(f"[demo] {r['source_layout']} -> {r['layout']} ({r['change']}) from the {r['checkpoint_format']} "
-              f"checkpoint: read {r['bytes_read'] / 1e6:.3f} MB, exchanged {r['bytes_exchanged'] / 1e6:.3f} MB, "
+              f"checkpoint: read {r['bytes_read'] / 1e6:.3f} MB ({r['bytes_verified'] / 1e6:.3f} MB checked against "
+              f"stored checksums), exchanged {r['bytes_exchanged'] / 1e6:.3f} MB, "
               f"wrote {r['target_bytes'] / 1e6:.3f} MB in {r['reshard_seconds']:.3f} s ({r['reshard_gbps']:.4f} GB/s), "
               f"peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB; first loss after resume {r['first_loss_after_resume']:.8f} vs "
               f"uninterrupted {r['baseline_loss_same_step']:.8f} (rel {r['first_step_rel_diff']:.2e}); max rel diff over "

@@ -111,7 +111,11 @@ def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[fl
     a trainer passes its own parameters and optimizer state instead). ``fill``: a value to fill
     them with (NaN makes unwritten elements easy to spot); None leaves them uninitialised.
 
-    Raises InvalidArgument for a rank outside the layout's world size."""
+    Raises InvalidArgument for a rank outside the layout's world size, or when ``layout`` is not a
+    Layout (a topology string names no buffers: make one with derive_layout(model, topology))."""
+    if not isinstance(layout, Layout):
+        raise InvalidArgument(f"allocate needs a Layout (reshard.derive_layout(model, topology) or "
+                              f"checkpoint.layout), not {type(layout).__name__} {layout!r:.80}")
     world = parse_topology(layout.topology)["world_size"]
     if not 0 <= int(rank) < world:
         raise InvalidArgument(f"rank {rank} is outside layout {layout.topology} (world size {world})")
@@ -288,8 +292,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     (default) checks every fragment that is exactly one checksummed unit, right before its bytes
     go anywhere, at no extra read; units cut between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat
     partitions read tensor by tensor) are not checked ("bytes_verified" < "bytes_read" says so).
-    "full" also reads each cut unit whole on one rank and checks it before any write (the extra
-    reads count in "verify_bytes_read"). "off": none.
+    "full" reads every unit the load touches whole on one rank and checks it before any write (all
+    or nothing; the pass counts in "verify_bytes_read"). "off": none.
 
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
     "bytes_read", "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes" (bytes,
@@ -301,10 +305,10 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     Raises, on every rank and before any tensor is written: InvalidArgument (tensors that do not
     match the layout, strictness, shapes, a verify value other than off/free/full), DataLoss
     (uncovered elements, missing or short files, replicas that differ under policy "error": names
-    the tensor and max |diff|; a checksum mismatch in a piece sent to another rank or, with
-    verify="full", in a piece cut between ranks), InvalidArgument (tensors on several devices).
-    FailedPrecondition when a failure happens after live tensors were partly written (a checksum
-    mismatch found right before a local copy: no byte of that piece was copied; or a peer of the
+    the tensor and max |diff|; any checksum mismatch with verify="full", one in a piece sent to
+    another rank with "free"), InvalidArgument (tensors on several devices). FailedPrecondition
+    when a failure happens after live tensors were partly written ("free": a checksum mismatch
+    found right before a local copy, no byte of that piece was copied; or a peer of the
     communicator fails): they are then unusable and the trainer must abort. CUDA tensors are
     written only after the whole load succeeded, so they are never partly written.
     """
@@ -408,8 +412,9 @@ def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[tor
 def load_resume_config(path: str) -> dict:
     """Reads a resume policy file (configs/resume/*.yaml): ``{"checkpoint" (root), "step" ("" =
     latest), "model" (file or ""), "target" (topology string), "target_topology" {tp, pp, vpp, dp,
-    zero}, "policies" {replicas, replica_atol, strict_missing, strict_unexpected,
-    memory_budget_bytes, dedup, compare_replicas, weights_from_master, node_local_reads}}``.
+    zero}, "verify" ("free" | "full" | "off"; load's checksum checks, default "free"), "policies"
+    {replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup,
+    compare_replicas, weights_from_master, node_local_reads}}``.
 
     Raises NotFound for a missing file, InvalidArgument naming the field otherwise."""
     return _C.load_resume_config(str(path))

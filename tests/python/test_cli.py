@@ -74,6 +74,24 @@ def test_convert_names_the_same_field_as_plan(tmp_path, layout, needle):
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_checks_every_source_piece_unless_told_otherwise_and_then_warns(tmp_path):
+    ck = tmp_path / "ck"
+    assert run("synth", ck, "--model", "tiny-gpt", "--layout", "tp=1,dp=1,zero=1").returncode == 0
+    (f,) = ck.glob("step-*/rank_00000.safetensors")
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside a piece that tp=2 cuts between its two ranks
+    f.write_bytes(bytes(data))
+    r = run("convert", ck, tmp_path / "out_full", "--target", "tp=2,dp=1,zero=1")  # default --verify full
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "fail their checks; nothing was written" in r.stderr and "xxh3 mismatch" in r.stderr, r.stderr
+    assert not (tmp_path / "out_full").exists()
+    r = run("convert", ck, tmp_path / "out_free", "--target", "tp=2,dp=1,zero=1", "--verify", "free")
+    assert r.returncode == 0, r.stderr
+    assert "warning: --verify free checked" in r.stderr and "cover the unchecked bytes" in r.stderr, r.stderr
+    r = run("convert", ck, tmp_path / "out_bogus", "--target", "tp=2,dp=1,zero=1", "--verify", "bogus")
+    assert r.returncode == 2 and "bogus" in r.stderr
+
+
 def test_bad_model_file_names_field(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text("name: x\nnum_layers: 2\nhidden: 64\nheads: 6\nvocab: 100\n")

@@ -114,6 +114,13 @@ def test_allocate_gives_tensors_load_accepts(tmp_path):
     assert all(not torch.isnan(t).any() for t in live.values())
     with pytest.raises(reshard.InvalidArgument, match="rank 1 is outside layout"):
         reshard.allocate(L, 1)
+    with pytest.raises(reshard.InvalidArgument, match="allocate needs a Layout"):
+        reshard.allocate("tp=1,pp=1,dp=1,zero=1", 0)
+    # verify="full" on a clean checkpoint: every piece the load reads is checked, before any write.
+    rep = reshard.load(str(tmp_path), L, live, verify="full")
+    assert rep["bytes_verified"] >= rep["bytes_read"] > 0, rep
+    with pytest.raises(reshard.InvalidArgument, match="must be off, free or full"):
+        reshard.load(str(tmp_path), L, live, verify="always")
 
 
 def test_wrong_argument_types_are_invalid_argument(tmp_path):

@@ -1,5 +1,6 @@
 // checksum_checks: which checksum units a load with verify="full" reads whole in its pre-flight,
-// and which rank does it. Pure: hand-made plans, then plans from the planner.
+// which rank does it, and which of them no fragment reads whole (cut). Pure: hand-made plans,
+// then plans from the planner.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -28,7 +29,7 @@ Fragment frag(int32_t file, uint64_t byte_base, std::initializer_list<int64_t> l
   return f;
 }
 
-TEST(ChecksumChecks, WholeUnitsAreLeftToTheirReaderCutOnesGoToTheLargestReader) {
+TEST(ChecksumChecks, WholeUnitsGoToTheirReaderCutOnesToTheLargestReader) {
   Plan p;
   p.fragments.push_back(frag(0, 0, {25}, {1}, 0));            // unit [0,100) whole, dense
   p.fragments.push_back(frag(0, 100, {10}, {1}, 1));          // unit [100,200): 40 bytes ...
@@ -36,19 +37,25 @@ TEST(ChecksumChecks, WholeUnitsAreLeftToTheirReaderCutOnesGoToTheLargestReader) 
   p.fragments.push_back(frag(0, 200, {2, 5}, {25, 1}, 3));    // strided rows in [200,320): cuts [200,300)
   const std::vector<ChecksumUnit> units = {{1, 0, 50}, {0, 200, 100}, {0, 100, 100}, {0, 0, 100}};
   std::vector<ChecksumCheck> c = checksum_checks(p, units);
-  ASSERT_EQ(c.size(), 2u);
-  EXPECT_EQ(c[0].unit.offset, 100u);
-  EXPECT_EQ(c[0].unit.length, 100u);
-  EXPECT_EQ(c[0].checker, 2);
-  EXPECT_EQ(c[1].unit.offset, 200u);
-  EXPECT_EQ(c[1].checker, 3);
-  // A unit that only a non-dense fragment covers end to end is still checked in the pre-flight:
-  // the reader packs it in box order, not file order, and cannot check it as it goes.
+  ASSERT_EQ(c.size(), 3u);  // file 1's unit is touched by nothing
+  EXPECT_EQ(c[0].unit.offset, 0u);
+  EXPECT_EQ(c[0].checker, 0);
+  EXPECT_FALSE(c[0].cut);
+  EXPECT_EQ(c[1].unit.offset, 100u);
+  EXPECT_EQ(c[1].unit.length, 100u);
+  EXPECT_EQ(c[1].checker, 2);
+  EXPECT_TRUE(c[1].cut);
+  EXPECT_EQ(c[2].unit.offset, 200u);
+  EXPECT_EQ(c[2].checker, 3);
+  EXPECT_TRUE(c[2].cut);
+  // A unit that only a non-dense fragment covers end to end counts as cut: the reader packs it in
+  // box order, not file order, and cannot check it as it goes.
   Plan q;
   q.fragments.push_back(frag(0, 0, {5, 5}, {1, 5}, 1));  // a transposed 5x5 block: bytes [0,100)
   c = checksum_checks(q, {{0, 0, 100}});
   ASSERT_EQ(c.size(), 1u);
   EXPECT_EQ(c[0].checker, 1);
+  EXPECT_TRUE(c[0].cut);
 }
 
 TEST(ChecksumChecks, TiesGoToTheEarlierFragmentAndInterleavedUnitsAreEachChecked) {
@@ -58,6 +65,7 @@ TEST(ChecksumChecks, TiesGoToTheEarlierFragmentAndInterleavedUnitsAreEachChecked
   std::vector<ChecksumCheck> c = checksum_checks(p, {{0, 0, 80}});
   ASSERT_EQ(c.size(), 1u);
   EXPECT_EQ(c[0].checker, 5);
+  EXPECT_TRUE(c[0].cut);
   // Units whose spans interleave (a strided piece's span holds bytes of another piece).
   Plan q;
   q.fragments.push_back(frag(2, 60, {5}, {1}, 7));  // bytes [60,80)
@@ -70,8 +78,8 @@ TEST(ChecksumChecks, TiesGoToTheEarlierFragmentAndInterleavedUnitsAreEachChecked
 }
 
 // Units = every source piece's byte span (as native checkpoints store them). For plans the planner
-// makes: the identity needs no pre-flight check; every unit any fragment touches is either read
-// whole and dense by one fragment or checked once; checks name a rank that reads the unit.
+// makes: every unit any fragment touches is checked once, by a rank that reads it; it is marked
+// cut exactly when no fragment reads it whole and dense; the identity cuts nothing.
 TEST(ChecksumChecks, PlannerPlansCoverEveryTouchedUnitOnce) {
   std::mt19937_64 rng(testing::test_seed("ChecksumChecks.PlannerPlans"));
   ModelConfig m;
@@ -105,8 +113,10 @@ TEST(ChecksumChecks, PlannerPlansCoverEveryTouchedUnitOnce) {
       po.dedup = rng() % 2;
       Plan p = make_plan(s, B, po);
       std::vector<ChecksumCheck> c = checksum_checks(p, units);
-      if (sa == sb) EXPECT_TRUE(c.empty()) << c.size() << " checks for an identity load";
-      cut_cases += !c.empty();
+      int ncut = 0;
+      for (const ChecksumCheck& k : c) ncut += k.cut;
+      if (sa == sb) EXPECT_EQ(ncut, 0) << "cut units in an identity load";
+      cut_cases += ncut > 0;
       for (const ChecksumUnit& u : units) {
         bool touched = false, whole = false;
         std::vector<int32_t> readers;
@@ -121,13 +131,18 @@ TEST(ChecksumChecks, PlannerPlansCoverEveryTouchedUnitOnce) {
         }
         int n = 0;
         int32_t checker = -1;
+        bool cut = false;
         for (const ChecksumCheck& k : c)
           if (k.unit.file == u.file && k.unit.offset == u.offset && k.unit.length == u.length) {
             ++n;
             checker = k.checker;
+            cut = k.cut;
           }
-        EXPECT_EQ(n, touched && !whole ? 1 : 0) << "unit at " << u.offset << " of file " << u.file;
-        if (n == 1) EXPECT_NE(std::find(readers.begin(), readers.end(), checker), readers.end());
+        EXPECT_EQ(n, touched ? 1 : 0) << "unit at " << u.offset << " of file " << u.file;
+        if (n == 1) {
+          EXPECT_EQ(cut, !whole) << "unit at " << u.offset << " of file " << u.file;
+          EXPECT_NE(std::find(readers.begin(), readers.end(), checker), readers.end());
+        }
       }
     }
   EXPECT_GT(cut_cases, 5) << "tp splits and ZeRO re-cuts must cut some pieces";

@@ -293,6 +293,16 @@ TEST(ReliabilityCorrupt, FlippedByteFailsTheLoadNamingFileAndPiece) {
     }
     EXPECT_EQ(pieces_hit, 1);
   }
+  // `verify full` checks every piece before any write: all or nothing.
+  {
+    Live live_full(t);
+    LoadOptions o;
+    o.verify = "full";
+    std::string msg = expect_error(ErrorCode::kDataLoss, [&] { load_local(*ck, t, live_full, o); });
+    EXPECT_HAS(msg, "xxh3 mismatch");
+    EXPECT_HAS(msg, "before any live tensor was written");
+    EXPECT_TRUE(live_full.untouched());
+  }
   // `verify off` loads it (the user's explicit choice); the report counts no checksum.
   Live live2(t);
   LoadOptions o;
