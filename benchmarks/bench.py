@@ -553,12 +553,12 @@ def fmt(v, spec):
 
 def checksummed(e):
     """What the load checked against stored checksums: the fraction of the bytes it read that it
-    checked as it read them (verify=free), and for verify=full the cut units read whole before
-    any write on top of that."""
+    checked as it read them (verify=free); for verify=full, every unit it touches, read whole in a
+    pass before any write (the GB of that pass)."""
     if e.get("checked_as_read") is None:
         return ""
     if e.get("verify") == "full":
-        return f"{e['checked_as_read']:.2f} + {e['verify_bytes_read'] / 1e9:.2f} GB cut units"
+        return f"all units touched ({e['verify_bytes_read'] / 1e9:.2f} GB read first)"
     return f"{e['checked_as_read']:.2f}"
 
 
