@@ -144,8 +144,9 @@ def main(argv=None):
     print()
     for r in results:
         print(f"[demo] {r['source_layout']} -> {r['layout']} ({r['change']}) from the {r['checkpoint_format']} "
-              f"checkpoint: read {r['bytes_read'] / 1e6:.3f} MB ({r['bytes_verified'] / 1e6:.3f} MB checked against "
-              f"stored checksums), exchanged {r['bytes_exchanged'] / 1e6:.3f} MB, "
+              f"checkpoint: read {r['bytes_read'] / 1e6:.3f} MB (ranks of one machine each copy what they share; "
+              f"verify full: every stored record read from, {r['bytes_verified'] / 1e6:.3f} MB, checked before any "
+              f"write), exchanged {r['bytes_exchanged'] / 1e6:.3f} MB, "
               f"wrote {r['target_bytes'] / 1e6:.3f} MB in {r['reshard_seconds']:.3f} s ({r['reshard_gbps']:.4f} GB/s), "
               f"peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB; first loss after resume {r['first_loss_after_resume']:.8f} vs "
               f"uninterrupted {r['baseline_loss_same_step']:.8f} (rel {r['first_step_rel_diff']:.2e}); max rel diff over "
