@@ -34,21 +34,23 @@ std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<Checksu
     int32_t checker = 0;
   };
   std::vector<Best> best(units.size());
-  for (const Fragment& f : plan.fragments) {
-    if (f.box.numel() == 0) continue;
-    // Byte extent of the fragment in its file: [lo, hi) (strides are non-negative).
+  // One read of `box` at byte_base with `strides` by rank `reader`: which units it touches.
+  auto touch = [&](int32_t file, uint64_t byte_base, const Box& box, const std::array<int64_t, kMaxDims>& strides,
+                   DType dtype, int32_t reader) {
+    if (box.numel() == 0) return;
+    // Byte extent in the file: [lo, hi) (strides are non-negative).
     int64_t span = 1;
-    for (int d = 0; d < f.box.ndim; ++d) span += (f.box.len[d] - 1) * f.src_strides[d];
-    const uint64_t es = dtype_size(f.src_dtype);
-    const uint64_t lo = f.byte_base, hi = f.byte_base + uint64_t(span) * es;
-    const bool dense = box_is_dense(f.box, f.src_strides);
+    for (int d = 0; d < box.ndim; ++d) span += (box.len[d] - 1) * strides[d];
+    const uint64_t es = dtype_size(dtype);
+    const uint64_t lo = byte_base, hi = byte_base + uint64_t(span) * es;
+    const bool dense = box_is_dense(box, strides);
     // Units starting before hi, walked back from the last one.
-    size_t n = size_t(std::lower_bound(units.begin(), units.end(), std::make_pair(f.file, hi),
+    size_t n = size_t(std::lower_bound(units.begin(), units.end(), std::make_pair(file, hi),
                                        [](const ChecksumUnit& u, const std::pair<int32_t, uint64_t>& k) {
                                          return u.file != k.first ? u.file < k.first : u.offset < k.second;
                                        }) -
                       units.begin());
-    while (n > 0 && units[n - 1].file == f.file && max_end[n - 1] > lo) {
+    while (n > 0 && units[n - 1].file == file && max_end[n - 1] > lo) {
       const size_t i = --n;
       const uint64_t ulo = units[i].offset, uhi = units[i].offset + units[i].length;
       if (uhi <= lo) continue;
@@ -58,8 +60,16 @@ std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<Checksu
       const uint64_t inside = std::min(hi, uhi) - std::max(lo, ulo);
       if (inside > b.bytes) {
         b.bytes = inside;
-        b.checker = f.reader;
+        b.checker = reader;
       }
+    }
+  };
+  for (const Fragment& f : plan.fragments) {
+    touch(f.file, f.byte_base, f.box, f.src_strides, f.src_dtype, f.reader);
+    // Replica policy average: the other saved copies its reader reads and averages in.
+    for (uint32_t k = 0; k < f.num_replicas; ++k) {
+      const ReplicaSource& r = plan.replica_sources[f.first_replica + k];
+      touch(r.file, r.byte_base, r.box, r.strides, r.dtype, f.reader);
     }
   }
   std::vector<ChecksumCheck> out;

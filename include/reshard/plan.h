@@ -198,12 +198,13 @@ struct ChecksumCheck {
 /// run in row-major box order (dims of length 1 ignored).
 bool box_is_dense(const Box& box, const std::array<int64_t, kMaxDims>& strides);
 
-/// For verify="full": every checksum unit that a fragment of `plan` reads bytes of, each with one
-/// checker: the reader of the fragment with the most bytes inside the unit (ties: the earlier
-/// fragment), so a unit read whole is checked by the rank that reads it and a cut unit's extra
-/// read is the smallest and stays on a machine that reads the unit anyway. `cut` marks the units
-/// no fragment reads whole and dense. Sorted by (file, offset). Units may overlap. Pure: no I/O;
-/// O(fragments x units touched + units log units).
+/// For verify="full": every checksum unit that a fragment of `plan` reads bytes of (its replica
+/// sources under policy average included), each with one checker: the reader of the fragment
+/// with the most bytes inside the unit (ties: the earlier fragment), so a unit read whole is
+/// checked by the rank that reads it and a cut unit's extra read is the smallest and stays on a
+/// machine that reads the unit anyway. `cut` marks the units no fragment reads whole and dense.
+/// Sorted by (file, offset). Units may overlap. Pure: no I/O; O(fragments x units touched +
+/// units log units).
 std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<ChecksumUnit> units);
 
 /// Box difference a \ b as at most 2*ndim disjoint boxes.

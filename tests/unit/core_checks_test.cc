@@ -75,6 +75,23 @@ TEST(ChecksumChecks, TiesGoToTheEarlierFragmentAndInterleavedUnitsAreEachChecked
   EXPECT_EQ(c[1].unit.offset, 50u);
   EXPECT_EQ(c[0].checker, 7);
   EXPECT_TRUE(checksum_checks(Plan{}, {{0, 0, 10}}).empty());
+  // Replica policy average: the other copies a fragment's reader reads are checked too.
+  Plan r;
+  r.fragments.push_back(frag(0, 0, {10}, {1}, 3));
+  r.fragments[0].first_replica = 0;
+  r.fragments[0].num_replicas = 1;
+  ReplicaSource rs;
+  rs.box.ndim = 1;
+  rs.box.len[0] = 5;
+  rs.file = 1;
+  rs.byte_base = 20;
+  rs.strides[0] = 1;
+  r.replica_sources.push_back(rs);
+  c = checksum_checks(r, {{0, 0, 40}, {1, 0, 100}});
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[1].unit.file, 1);
+  EXPECT_EQ(c[1].checker, 3);
+  EXPECT_TRUE(c[1].cut);
 }
 
 // Units = every source piece's byte span (as native checkpoints store them). For plans the planner
