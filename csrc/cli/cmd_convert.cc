@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <mutex>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -47,44 +46,10 @@ std::string real_path(const std::string& p) {
 // record's CRC-32) with index % parts == part, each read whole.
 std::vector<std::string> check_pieces(const CheckpointReader& ckpt, int part, int parts) {
   const std::vector<ChecksumUnit> all = ckpt.checksum_units();
-  std::vector<size_t> todo;
+  std::vector<ChecksumUnit> mine;
   for (size_t i = 0; i < all.size(); ++i)
-    if (int(i % size_t(parts)) == part) todo.push_back(i);
-  std::vector<std::string> problems;
-  std::mutex mu;
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    std::vector<char> buf;
-    for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
-      const ChecksumUnit& u = all[todo[k]];
-      std::string why;
-      try {
-        // Out of the file mapping where the reader has one (a ZeRO flat partition record can be
-        // many GB); the size check first, since a byte past the end of a mapping is SIGBUS.
-        const uint8_t* map = ckpt.mapped(u.file);
-        if (map && ckpt.file_size(u.file) >= u.offset + u.length) {
-          why = ckpt.verify_range(u.file, u.offset, u.length, map + u.offset);
-        } else {
-          buf.resize(u.length);
-          ckpt.read(u.file, u.offset, u.length, buf.data());
-          why = ckpt.verify_range(u.file, u.offset, u.length, buf.data());
-        }
-      } catch (const Error& e) {
-        why = e.what();
-      }
-      if (!why.empty()) {
-        std::lock_guard<std::mutex> lock(mu);
-        problems.push_back(why);
-      }
-    }
-  };
-  const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> threads;
-  for (unsigned i = 1; i < n; ++i) threads.emplace_back(work);
-  work();
-  for (auto& t : threads) t.join();
-  std::sort(problems.begin(), problems.end());
-  return problems;
+    if (int(i % size_t(parts)) == part) mine.push_back(all[i]);
+  return check_checksum_units(ckpt, mine, int(std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
 }
 
 [[noreturn]] void fail_checksums(const std::vector<std::string>& problems, const std::string& out) {

@@ -92,7 +92,6 @@ int remote_ranks(const Plan& plan, const Fragment& f) {
 std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
                                        const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
                                        double atol, ExecStats* stats, VerifyMode verify, int io_threads) {
-  uint64_t* verify_bytes_read = &stats->verify_bytes_read;
   const int me = comm.rank();
   const int W = comm.size();
   const SourceLayout& src = source.source();
@@ -155,26 +154,21 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
     std::string mine = nprob ? prefix(comm) + problems.str() : "";
     agree_or_throw(comm, mine, ErrorCode::kDataLoss, "pre-flight check", false);
 
-    // verify="full": every unit read whole by its checker, out of the file mapping where the
-    // reader has one, and checked before any write (all or nothing).
-    std::atomic<uint64_t> checked_bytes{0};
-    std::string uerr = parallel_for(my_checks.size(), std::max(1, io_threads), [&](size_t k) {
-      const ChecksumUnit& u = checks[my_checks[k]].unit;
-      const uint8_t* map = source.mapped(u.file);
-      std::vector<uint8_t> tmp;
-      const void* data = map ? static_cast<const void*>(map + u.offset) : nullptr;
-      if (!map) {
-        tmp.resize(size_t(u.length));
-        source.read(u.file, u.offset, u.length, tmp.data());
-        data = tmp.data();
-      }
-      std::string bad = source.verify_range(u.file, u.offset, u.length, data);
-      if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
-      checked_bytes.fetch_add(u.length);
-    });
-    *verify_bytes_read += checked_bytes.load();
-    stats->bytes_verified += checked_bytes.load();
-    stats->checksums_verified += my_checks.size();
+    // verify="full": every unit read whole by its checker and checked before any write (all or
+    // nothing).
+    std::vector<ChecksumUnit> my_units;
+    uint64_t unit_bytes = 0;
+    for (size_t i : my_checks) {
+      my_units.push_back(checks[i].unit);
+      unit_bytes += checks[i].unit.length;
+    }
+    std::vector<std::string> bad_units = check_checksum_units(source, my_units, io_threads);
+    std::string uerr;
+    for (size_t i = 0; i < bad_units.size() && i < 4; ++i) uerr += (i ? "; " : "") + bad_units[i];
+    if (bad_units.size() > 4) uerr += "; ... (" + std::to_string(bad_units.size()) + " units fail)";
+    stats->verify_bytes_read += unit_bytes;
+    stats->bytes_verified += unit_bytes;
+    stats->checksums_verified += my_units.size();
     agree_or_throw(comm, uerr.empty() ? "" : prefix(comm) + uerr, ErrorCode::kDataLoss,
                    "checksum check (verify=\"full\")", false);
 
@@ -186,7 +180,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       if (c.checker != me) continue;
       try {
         double m = replica_max_abs_diff(c, read);
-        *verify_bytes_read += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
+        stats->verify_bytes_read += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
         if (m > atol) {
           if (ndiff++ < 6) diffs << (ndiff > 1 ? "; " : "") << c.tensor << " (" << state_kind_name(c.state) << ") "
                                  << c.box.to_string() << " in " << src.files[c.replica.file] << ": max |diff| " << m;

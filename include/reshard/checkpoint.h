@@ -69,6 +69,14 @@ struct OpenOptions {
   std::string model_path;
 };
 
+/// Reads each unit whole (out of the reader's file mapping where it has one and the file is long
+/// enough, else with positioned reads) and checks it with verify_range, on up to `threads`
+/// threads. Returns the problems (a mismatch naming file and bytes, a short or missing file),
+/// sorted and without repeats; empty when every unit passes. Used by a verify="full" load's
+/// pre-flight and by `convert --verify full`.
+std::vector<std::string> check_checksum_units(const CheckpointReader& reader, const std::vector<ChecksumUnit>& units,
+                                              int threads);
+
 /// Opens a checkpoint root or step folder of any supported format. Errors (before anything is
 /// read beyond headers): Error(kNotFound) when the path does not exist, names no step, or the
 /// named step is missing; Error(kInvalidArgument) when the path is a file or an empty or

@@ -49,8 +49,6 @@ import reshard
 
 from . import model as M
 
-_DT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
 
 # ----------------------------------------------------------------------------------------------
 # Model description and names

@@ -1,0 +1,69 @@
+// Checking whole checksum units: the pre-flight of a verify="full" load and convert's default check.
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "reshard/checkpoint.h"
+#include "reshard/error.h"
+
+namespace reshard {
+
+std::vector<std::string> check_checksum_units(const CheckpointReader& reader, const std::vector<ChecksumUnit>& units,
+                                              int threads) {
+  std::vector<std::string> problems;
+  std::mutex mu;
+  auto report = [&](std::string s) {
+    std::lock_guard<std::mutex> lock(mu);
+    problems.push_back(std::move(s));
+  };
+  // A file's size once, before any mapped byte is touched (a byte past the end of a mapping is
+  // SIGBUS, not an error); a missing file is an error for each of its units.
+  std::map<int32_t, uint64_t> size;
+  std::map<int32_t, std::string> missing;
+  for (const ChecksumUnit& u : units) {
+    if (size.count(u.file) || missing.count(u.file)) continue;
+    try {
+      size[u.file] = reader.file_size(u.file);
+    } catch (const Error& e) {
+      missing[u.file] = e.what();
+    }
+  }
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    std::vector<uint8_t> buf;
+    for (size_t k; (k = next.fetch_add(1)) < units.size();) {
+      const ChecksumUnit& u = units[k];
+      auto gone = missing.find(u.file);
+      if (gone != missing.end()) {
+        report(gone->second);
+        continue;
+      }
+      try {
+        const uint8_t* map = reader.mapped(u.file);
+        std::string why;
+        if (map && size.at(u.file) >= u.offset + u.length) {
+          why = reader.verify_range(u.file, u.offset, u.length, map + u.offset);
+        } else {
+          buf.resize(size_t(u.length));
+          reader.read(u.file, u.offset, u.length, buf.data());
+          why = reader.verify_range(u.file, u.offset, u.length, buf.data());
+        }
+        if (!why.empty()) report(why);
+      } catch (const Error& e) {
+        report(e.what());
+      }
+    }
+  };
+  const size_t n = std::min<size_t>(size_t(std::max(1, threads)), std::max<size_t>(1, units.size()));
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < n; ++i) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  std::sort(problems.begin(), problems.end());
+  problems.erase(std::unique(problems.begin(), problems.end()), problems.end());
+  return problems;
+}
+
+}  // namespace reshard
