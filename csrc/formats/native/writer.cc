@@ -2,8 +2,8 @@
 #include <unistd.h>
 #include <xxhash.h>
 #if RESHARD_HAVE_XXH_DISPATCH
-// libxxhash's run-time dispatch picks the widest vector unit the CPU has (AVX2/AVX-512 hash about
-// 2.3x faster than the SSE2 code a plain x86-64 build gets); same hash values.
+// libxxhash's run-time dispatch picks the widest vector unit the CPU has (AVX2/AVX-512 instead of
+// the SSE2 code a plain x86-64 build gets); same hash values.
 #include <xxh_x86dispatch.h>
 #endif
 
