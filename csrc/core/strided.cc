@@ -3,7 +3,122 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define RESHARD_X86 1
+#endif
+
 namespace reshard {
+
+namespace {
+
+#ifdef RESHARD_X86
+// The bulk of a streaming copy: dst is 16-byte aligned (SSE2) or 32-byte aligned (AVX2), n a
+// multiple of 64 (SSE2) or 128 (AVX2). Unaligned loads, non-temporal stores, no fence.
+void stream_body_sse2(uint8_t* d, const uint8_t* s, size_t n) {
+  for (size_t i = 0; i < n; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+}
+
+__attribute__((target("avx2"))) void stream_body_avx2(uint8_t* d, const uint8_t* s, size_t n) {
+  for (size_t i = 0; i < n; i += 128) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 64));
+    __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
+  }
+}
+
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+// Copies fewer than 32 bytes with at most two (overlapping) loads and stores of one width: a
+// libc or `rep movs` call costs more than the copy at this size.
+inline void small_copy(uint8_t* d, const uint8_t* s, size_t n) {
+  auto two = [&](auto word) {
+    using W = decltype(word);
+    W a, b;
+    std::memcpy(&a, s, sizeof(W));
+    std::memcpy(&b, s + n - sizeof(W), sizeof(W));
+    std::memcpy(d, &a, sizeof(W));
+    std::memcpy(d + n - sizeof(W), &b, sizeof(W));
+  };
+  struct W16 { uint64_t lo, hi; };
+  if (n >= 16) {
+    two(W16{});
+  } else if (n >= 8) {
+    two(uint64_t{});
+  } else if (n >= 4) {
+    two(uint32_t{});
+  } else if (n >= 2) {
+    two(uint16_t{});
+  } else if (n == 1) {
+    *d = *s;
+  }
+}
+
+// Streams without the closing fence (copy_box and unpack_box fence once per box).
+void stream_copy_nofence(void* dst, const void* src, size_t n) {
+#ifdef RESHARD_X86
+  // Below a few cache lines the head and tail handling costs more than it saves.
+  if (n >= 256) {
+    auto* d = static_cast<uint8_t*>(dst);
+    const auto* s = static_cast<const uint8_t*>(src);
+    // Align the destination to 16 bytes, stream 64- or 128-byte blocks, then 16-byte words; only
+    // the last < 16 bytes and the first < 16 bytes go through ordinary stores.
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+    small_copy(d, s, head);
+    d += head, s += head, n -= head;
+    size_t body = 0;
+    if (kHaveAvx2 && (reinterpret_cast<uintptr_t>(d) & 31) == 0) {
+      body = n / 128 * 128;
+      stream_body_avx2(d, s, body);
+    } else {
+      body = n / 64 * 64;
+      stream_body_sse2(d, s, body);
+    }
+    for (; body + 16 <= n; body += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + body), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + body)));
+    small_copy(d + body, s + body, n - body);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+void store_fence() {
+#ifdef RESHARD_X86
+  _mm_sfence();
+#endif
+}
+
+// One run of a box copy: a streaming byte copy when the dtypes match and the caller asked for it.
+inline void copy_run(const uint8_t* s, DType from, uint8_t* d, DType to, size_t n, Store store) {
+  if (store == Store::kStream && from == to) {
+    stream_copy_nofence(d, s, n * dtype_size(from));
+  } else {
+    convert_elements(s, from, d, to, n);
+  }
+}
+
+}  // namespace
+
+void stream_copy(void* dst, const void* src, size_t n) {
+  stream_copy_nofence(dst, src, n);
+  store_fence();
+}
 
 void for_each_run(const Box& box, const std::array<int64_t, kMaxDims>& strides,
                   const std::function<void(int64_t, int64_t, int64_t)>& fn) {
@@ -65,17 +180,18 @@ void pack_box(const void* base, DType t, const Box& box, const std::array<int64_
 }
 
 void unpack_box(const void* packed, DType from, void* base, DType to, const Box& box,
-                const std::array<int64_t, kMaxDims>& strides) {
+                const std::array<int64_t, kMaxDims>& strides, Store store) {
   const size_t fs = dtype_size(from), ts = dtype_size(to);
   const auto* src = static_cast<const uint8_t*>(packed);
   auto* dst = static_cast<uint8_t*>(base);
   for_each_run(box, strides, [&](int64_t off, int64_t cnt, int64_t pk) {
-    convert_elements(src + pk * fs, from, dst + off * ts, to, size_t(cnt));
+    copy_run(src + pk * fs, from, dst + off * ts, to, size_t(cnt), store);
   });
+  if (store == Store::kStream) store_fence();
 }
 
 void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& src_strides, void* dst, DType to,
-              const std::array<int64_t, kMaxDims>& dst_strides, const Box& box) {
+              const std::array<int64_t, kMaxDims>& dst_strides, const Box& box, Store store) {
   const int nd = box.ndim;
   if (box.numel() == 0) return;
   const size_t fs = dtype_size(from), ts = dtype_size(to);
@@ -106,11 +222,12 @@ void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& 
       so += ix[k] * src_strides[k];
       dof += ix[k] * dst_strides[k];
     }
-    convert_elements(s + so * int64_t(fs), from, d + dof * int64_t(ts), to, size_t(run));
+    copy_run(s + so * int64_t(fs), from, d + dof * int64_t(ts), to, size_t(run), store);
     int k = outer - 1;
     while (k >= 0 && ++ix[k] >= box.len[k]) ix[k--] = 0;
     if (k < 0) break;
   }
+  if (store == Store::kStream) store_fence();
 }
 
 void fill_zero_box(void* base, DType t, const Box& box, const std::array<int64_t, kMaxDims>& strides) {

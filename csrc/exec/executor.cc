@@ -495,9 +495,9 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
       uint8_t* dst = static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype));
       if (c.src_strided) {
-        copy_box(c.src, f.src_dtype, f.src_strides, dst, b.dtype, dv.strides, rel);
+        copy_box(c.src, f.src_dtype, f.src_strides, dst, b.dtype, dv.strides, rel, Store::kStream);
       } else {
-        unpack_box(c.src, f.src_dtype, dst, b.dtype, rel, dv.strides);
+        unpack_box(c.src, f.src_dtype, dst, b.dtype, rel, dv.strides, Store::kStream);
       }
     };
     // Send-slot copies first (the exchange reads them); then the local copies into live tensors run
@@ -592,7 +592,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       Box rel = f.box;
       for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
       unpack_box(rx[k].first, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
-                 b.dtype, rel, dv.strides);
+                 b.dtype, rel, dv.strides, Store::kStream);
     });
     for (size_t k = 0; k < rx.size(); ++k) {
       written = true;
@@ -642,7 +642,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         if (dv.rank != me) continue;
         const Buffer& b = target.buffers[dv.buffer];
         unpack_box(data, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
-                   b.dtype, rel, dv.strides);
+                   b.dtype, rel, dv.strides, Store::kStream);
         written = true;
         wrote(dv.buffer, rel.numel());
       }
