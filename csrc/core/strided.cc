@@ -1,5 +1,6 @@
 #include "reshard/strided.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -228,6 +229,54 @@ void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& 
     if (k < 0) break;
   }
   if (store == Store::kStream) store_fence();
+}
+
+void for_each_slab(const Box& box, int64_t max_elems,
+                   const std::function<void(const Box& slab, int64_t packed_offset)>& fn) {
+  if (box.numel() == 0) return;
+  const int nd = box.ndim;
+  Box slab = box;
+  for (int d = 0; d < nd; ++d) slab.off[d] = 0;
+  if (nd == 0) {
+    fn(slab, 0);
+    return;
+  }
+  max_elems = std::max<int64_t>(max_elems, 1);
+  // The outermost dim d whose rows (every dim after d whole) hold at most max_elems elements.
+  int d = 0;
+  int64_t row = box.numel() / box.len[0];
+  while (row > max_elems) row /= box.len[++d];
+  const int64_t step = std::max<int64_t>(1, max_elems / row);
+  std::array<int64_t, kMaxDims> ix{};  // indices of the dims before d
+  int64_t packed = 0;
+  while (true) {
+    for (int k = 0; k < d; ++k) slab.off[k] = ix[k], slab.len[k] = 1;
+    for (int64_t start = 0; start < box.len[d]; start += step) {
+      slab.off[d] = start;
+      slab.len[d] = std::min(step, box.len[d] - start);
+      fn(slab, packed);
+      packed += slab.len[d] * row;
+    }
+    int k = d - 1;
+    while (k >= 0 && ++ix[k] >= box.len[k]) ix[k--] = 0;
+    if (k < 0) break;
+  }
+}
+
+void fill_poison_box(void* base, DType t, const Box& box, const std::array<int64_t, kMaxDims>& strides) {
+  const size_t es = dtype_size(t);
+  uint8_t one[8];
+  switch (t) {
+    case DType::BF16: { const uint16_t v = 0x7fc0; std::memcpy(one, &v, 2); break; }
+    case DType::F16: { const uint16_t v = 0x7e00; std::memcpy(one, &v, 2); break; }
+    case DType::F32: { const uint32_t v = 0x7fc00000u; std::memcpy(one, &v, 4); break; }
+    case DType::F64: { const uint64_t v = 0x7ff8000000000000ull; std::memcpy(one, &v, 8); break; }
+    default: std::memset(one, 0xff, sizeof one);
+  }
+  auto* dst = static_cast<uint8_t*>(base);
+  for_each_run(box, strides, [&](int64_t off, int64_t cnt, int64_t) {
+    for (int64_t i = 0; i < cnt; ++i) std::memcpy(dst + (off + i) * int64_t(es), one, es);
+  });
 }
 
 void fill_zero_box(void* base, DType t, const Box& box, const std::array<int64_t, kMaxDims>& strides) {

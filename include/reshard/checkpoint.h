@@ -24,6 +24,18 @@ struct NonTensorState {
   std::map<int, std::string> per_rank;
 };
 
+/// A stored checksum checked piece by piece: update() with the unit's bytes in file order (any
+/// split), then finish() once. Lets a load check a unit while it copies it, in cache-sized steps,
+/// instead of reading the unit from memory twice (once to check, once to copy).
+class RangeCheck {
+ public:
+  virtual ~RangeCheck() = default;
+  virtual void update(const void* data, size_t n) = 0;
+  /// Empty when the bytes given match the stored checksum, else the message verify_range() gives
+  /// for the same bytes (file, tensor, byte range, stored and computed values).
+  virtual std::string finish() = 0;
+};
+
 /// A checkpoint opened for reading. Reads are positioned and thread-safe.
 class CheckpointReader {
  public:
@@ -55,6 +67,12 @@ class CheckpointReader {
   }
   /// True when the format stores a checksum for exactly this byte range (verify_range checks it).
   virtual bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const { return false; }
+  /// An incremental check of exactly a range has_checksum() accepts (same verdict and message as
+  /// verify_range on the same bytes), or nullptr where there is none (then check with
+  /// verify_range).
+  virtual std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const {
+    return nullptr;
+  }
   /// Every byte range verify_range() can check, for load option verify="full".
   virtual std::vector<ChecksumUnit> checksum_units() const { return {}; }
 };

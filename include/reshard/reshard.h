@@ -21,8 +21,11 @@ struct LoadOptions {
   int io_threads = 4;
   /// Checksum checks while loading (units: native pieces with their xxh3-64, DeepSpeed zip records
   /// with their CRC-32; see ChecksumUnit):
-  ///  - "free" (default): every fragment that is exactly one unit is checked right before its
-  ///    bytes go anywhere, at no extra read. Units cut between fragments (a tp split, a ZeRO
+  ///  - "free" (default): every fragment that is exactly one unit is checked as it is read, at no
+  ///    extra read: before its bytes go to another rank or to staging, or, when this rank copies
+  ///    it straight out of the file mapping into its own live tensors, slab by slab (256 KiB) as
+  ///    it is copied, so it crosses memory once; a piece that fails there has its live copy
+  ///    overwritten with NaN (all-ones bytes for non-float dtypes). Units cut between fragments (a tp split, a ZeRO
   ///    partition re-cut, a DeepSpeed flat partition read tensor by tensor) are not checked:
   ///    LoadReport::bytes_verified < bytes_read says how much was.
   ///  - "full": every unit the load touches (also those cut between fragments), read whole by
@@ -31,8 +34,8 @@ struct LoadOptions {
   ///  - "off": none.
   /// Errors: a mismatch is Error(kDataLoss) naming file, tensor/record and byte range, or
   /// kFailedPrecondition ("the live state is unusable") when checked pieces were already copied;
-  /// a unit that is checked is checked before any of its bytes is copied. Another value is
-  /// kInvalidArgument.
+  /// no value of a piece that fails its check stays in a live tensor (never copied, or
+  /// overwritten with NaN). Another value is kInvalidArgument.
   std::string verify = "free";
 };
 

@@ -43,6 +43,19 @@ void unpack_box(const void* packed, DType from, void* base, DType to, const Box&
 void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& src_strides, void* dst, DType to,
               const std::array<int64_t, kMaxDims>& dst_strides, const Box& box, Store store = Store::kCached);
 
+/// Splits a box into sub-boxes ("slabs") that each cover a contiguous range of the box's packed
+/// (row-major) order of at most max(max_elems, 1) elements, and calls fn(slab, packed_offset) for
+/// each, in packed order. Slab offsets are relative to the box origin. A slab is a range of the
+/// outermost dim whose rows hold at most max_elems elements, with every inner dim whole; slabs of
+/// a box that is contiguous in memory are consecutive byte ranges of that memory.
+void for_each_slab(const Box& box, int64_t max_elems,
+                   const std::function<void(const Box& slab, int64_t packed_offset)>& fn);
+
+/// Fills a strided box of dtype t with a value no load produces by accident: quiet NaN for float
+/// dtypes (bf16 0x7fc0, f16 0x7e00, f32 0x7fc00000, f64 0x7ff8000000000000), all-ones bytes for
+/// the others. Used where a checked piece turns out corrupt after its copy began.
+void fill_poison_box(void* base, DType t, const Box& box, const std::array<int64_t, kMaxDims>& strides);
+
 /// Zero-fills a strided box of dtype t.
 void fill_zero_box(void* base, DType t, const Box& box, const std::array<int64_t, kMaxDims>& strides);
 

@@ -289,8 +289,10 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     "device", "device_copy_seconds" and "staged_host_bytes", and "seconds"/"gbps" include the copy.
 
     ``verify``: checksum checks (native pieces: xxh3-64; DeepSpeed zip records: CRC-32). "free"
-    (default) checks every fragment that is exactly one checksummed unit, right before its bytes
-    go anywhere, at no extra read; units cut between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat
+    (default) checks every fragment that is exactly one checksummed unit as it is read, at no
+    extra read (a fragment copied straight out of the file into this rank's tensors is checked
+    in 256 KiB slabs as it is copied; if it fails, its copy in the tensors is overwritten with
+    NaN); units cut between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat
     partitions read tensor by tensor) are not checked ("bytes_verified" < "bytes_read" says so).
     "full" reads every unit the load touches whole on one rank and checks it before any write (all
     or nothing; the pass counts in "verify_bytes_read"). "off": none.
@@ -308,7 +310,7 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     the tensor and max |diff|; any checksum mismatch with verify="full", one in a piece sent to
     another rank with "free"), InvalidArgument (tensors on several devices). FailedPrecondition
     when a failure happens after live tensors were partly written ("free": a checksum mismatch
-    found right before a local copy, no byte of that piece was copied; or a peer of the
+    found while a piece was copied locally, its copy then overwritten with NaN; or a peer of the
     communicator fails): they are then unusable and the trainer must abort. CUDA tensors are
     written only after the whole load succeeded, so they are never partly written.
     """

@@ -278,7 +278,7 @@ TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
 
 TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
   // A piece's checksum may be checked in the read step (before the exchange) or in the copy step
-  // (right before its copy out of the file mapping); either way every rank must fail, with the
+  // (slab by slab as it is copied out of the file mapping); either way every rank must fail, with the
   // same message, and none may hang in a collective.
   Communicator& comm = world();
   std::string dir = shared_dir();

@@ -22,6 +22,7 @@
 #include "reshard/inspect.h"
 #include "reshard/reshard.h"
 #include "reshard/torch_archive.h"
+#include "unit/checksum_parts.h"
 #include "unit/test_util.h"
 
 namespace fs = std::filesystem;
@@ -678,6 +679,18 @@ TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
     f.put(char(x ^ 0x10));
   }
   auto reader = open_checkpoint(step);
+  // The incremental CRC-32 a load's copy step uses agrees with the whole-record check on every
+  // record: the flipped one fails (naming the file), every other passes.
+  {
+    int failing = 0;
+    for (const ChecksumUnit& u : reader->checksum_units()) {
+      const std::string p = testing::check_unit_in_parts(*reader, u);
+      if (p.empty()) continue;
+      ++failing;
+      EXPECT_NE(p.find(victim), std::string::npos) << p;
+    }
+    EXPECT_EQ(failing, 1);
+  }
   const Layout target = derive_layout(reader->source().layout.model, Topology::parse("tp=1,pp=1,dp=1,zero=1"));
   auto live = [&] {
     std::vector<std::vector<uint8_t>> mem;

@@ -12,6 +12,7 @@
 #include "formats/safetensors/safetensors.h"
 #include "io/file.h"
 #include "reshard/native.h"
+#include "unit/checksum_parts.h"
 #include "unit/core_harness.h"
 #include "unit/test_util.h"
 
@@ -291,6 +292,17 @@ TEST(NativeFormat, ChecksumDetectsFlippedByte) {
   EXPECT_HAS(problems[0], "buffer " + buf_name);
   EXPECT_HAS(problems[0], byte_text);
   EXPECT_HAS(problems[0], "xxh3 mismatch");
+  // The incremental check a load's copy step uses finds the same piece, with the same message,
+  // and passes every other piece.
+  int failing = 0;
+  for (const ChecksumUnit& u : r->checksum_units()) {
+    const std::string p = testing::check_unit_in_parts(*r, u);
+    if (p.empty()) continue;
+    ++failing;
+    EXPECT_EQ(p, problems[0]);
+  }
+  EXPECT_EQ(failing, 1);
+  EXPECT_EQ(r->begin_check(0, 0, 1), nullptr) << "a range that is no piece has no check";
   io::remove_all(root);
 }
 

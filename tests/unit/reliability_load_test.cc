@@ -277,8 +277,11 @@ TEST(ReliabilityCorrupt, FlippedByteFailsTheLoadNamingFileAndPiece) {
       EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << msg;
       EXPECT_TRUE(live.untouched());
     }
-    // Either way no byte of the corrupted piece reached the live tensor: a piece's checksum is
-    // checked before its copy (other, verified pieces may have been copied already).
+    // Either way no value of the corrupted piece stays in the live tensor: a piece copied out of
+    // the file mapping is checked slab by slab as it is copied, and when its checksum fails at
+    // the end its live copy is overwritten with NaN (other, verified pieces may have been copied
+    // already).
+    EXPECT_HAS(msg, "overwritten with NaN");
     const int64_t bad_elem = s.layout.buffers[b].numel / 2;
     int tb = -1;
     for (size_t i = 0; i < t.buffers.size(); ++i)
@@ -288,8 +291,11 @@ TEST(ReliabilityCorrupt, FlippedByteFailsTheLoadNamingFileAndPiece) {
     for (const Piece& pc : s.layout.pieces) {
       if (pc.buffer != b || bad_elem < pc.base || bad_elem >= pc.base + native::piece_span(pc)) continue;
       ++pieces_hit;
-      for (int64_t k = pc.base * 4; k < (pc.base + native::piece_span(pc)) * 4; ++k)
-        ASSERT_EQ(live.mem[tb][size_t(k)], kSentinel) << "byte " << k << " of the corrupted piece was written";
+      for (int64_t k = pc.base; k < pc.base + native::piece_span(pc); ++k) {
+        float v;
+        std::memcpy(&v, &live.mem[tb][size_t(k) * 4], 4);
+        ASSERT_TRUE(std::isnan(v)) << "element " << k << " of the corrupted piece holds " << v << ", not NaN";
+      }
     }
     EXPECT_EQ(pieces_hit, 1);
   }

@@ -173,11 +173,16 @@ class DeepSpeedReader final : public CheckpointReader {
     if (file < 0 || size_t(file) >= records_.size()) return {};
     auto it = records_[file].find(offset);
     if (it == records_[file].end() || it->second.first != length) return {};
-    uint32_t crc = pt::zip_crc32(data, length);
-    if (crc == it->second.second) return {};
+    return crc_message(file, offset, length, pt::zip_crc32(data, length));
+  }
+
+  // Empty when `crc` is the stored CRC-32 of the record at [offset, offset + length) of `file`.
+  std::string crc_message(int32_t file, uint64_t offset, uint64_t length, uint32_t crc) const {
+    const uint32_t want = records_[file].at(offset).second;
+    if (crc == want) return {};
     std::ostringstream os;
     os << source_.files[file] << ": bytes [" << offset << ", " << offset + length << ") fail the zip CRC-32 (stored "
-       << std::hex << it->second.second << ", computed " << crc << ")";
+       << std::hex << want << ", computed " << crc << ")";
     return os.str();
   }
 
@@ -185,6 +190,22 @@ class DeepSpeedReader final : public CheckpointReader {
     if (file < 0 || size_t(file) >= records_.size()) return false;
     auto it = records_[file].find(offset);
     return it != records_[file].end() && it->second.first == length;
+  }
+
+  std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const override {
+    if (!has_checksum(file, offset, length)) return nullptr;
+    struct Check : RangeCheck {
+      const DeepSpeedReader* r;
+      int32_t file;
+      uint64_t offset, length;
+      uint32_t crc = 0;
+      void update(const void* data, size_t n) override { crc = pt::zip_crc32(data, n, crc); }
+      std::string finish() override { return r->crc_message(file, offset, length, crc); }
+    };
+    auto c = std::make_unique<Check>();
+    c->r = this;
+    c->file = file, c->offset = offset, c->length = length;
+    return c;
   }
 
   std::vector<ChecksumUnit> checksum_units() const override {

@@ -23,6 +23,19 @@ bool is_rank_file_name(const std::string& name);
 void check_step_name(const std::string& step);
 /// xxh3-64 as 16 lowercase hex digits.
 std::string xxh3_hex(const void* data, size_t bytes);
+/// xxh3-64 over bytes given in pieces; hex() is what xxh3_hex gives for their concatenation.
+class Xxh3Stream {
+ public:
+  Xxh3Stream();
+  ~Xxh3Stream();
+  Xxh3Stream(const Xxh3Stream&) = delete;
+  Xxh3Stream& operator=(const Xxh3Stream&) = delete;
+  void update(const void* data, size_t bytes);
+  std::string hex() const;
+
+ private:
+  void* state_;  // XXH3_state_t
+};
 /// 16 random hex digits.
 std::string make_nonce();
 

@@ -71,6 +71,26 @@ class NativeReader final : public CheckpointReader {
     return it != by_range_.end() && !checksums_[it->second].empty();
   }
 
+  std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const override {
+    auto it = by_range_.find({file, offset, length});
+    if (it == by_range_.end() || checksums_[it->second].empty()) return nullptr;
+    struct Check : RangeCheck {
+      const NativeReader* r;
+      int piece;
+      Xxh3Stream h;
+      void update(const void* data, size_t n) override { h.update(data, n); }
+      std::string finish() override {
+        std::string got = h.hex();
+        const std::string& want = r->checksums_[piece];
+        return got == want ? std::string() : r->describe_piece(piece) + ": xxh3 mismatch (stored " + want + ", computed " + got + ")";
+      }
+    };
+    auto c = std::make_unique<Check>();
+    c->r = this;
+    c->piece = it->second;
+    return c;
+  }
+
   std::vector<ChecksumUnit> checksum_units() const override {
     std::vector<ChecksumUnit> out;
     out.reserve(by_range_.size());

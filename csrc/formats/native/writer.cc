@@ -51,6 +51,23 @@ std::string xxh3_hex(const void* data, size_t bytes) {
   return buf;
 }
 
+Xxh3Stream::Xxh3Stream() : state_(XXH3_createState()) {
+  if (!state_) throw std::bad_alloc();
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
+}
+
+Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+void Xxh3Stream::update(const void* data, size_t bytes) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+}
+
+std::string Xxh3Stream::hex() const {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_)));
+  return buf;
+}
+
 std::string make_nonce() {
   std::random_device rd;
   uint64_t x = (uint64_t(rd()) << 32) ^ rd();
