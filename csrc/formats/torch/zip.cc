@@ -6,7 +6,9 @@
 #include <unordered_set>
 #include <vector>
 
-#ifdef RESHARD_HAVE_ZLIB
+#if defined(RESHARD_HAVE_LIBDEFLATE)
+#include <libdeflate.h>
+#elif defined(RESHARD_HAVE_ZLIB)
 #include <zlib.h>
 #endif
 
@@ -33,7 +35,9 @@ uint64_t u64(const uint8_t* p) { return uint64_t(u32(p)) | (uint64_t(u32(p + 4))
 }  // namespace
 
 uint32_t zip_crc32(const void* data, size_t n, uint32_t crc) {
-#ifdef RESHARD_HAVE_ZLIB
+#if defined(RESHARD_HAVE_LIBDEFLATE)
+  return libdeflate_crc32(crc, data, n);
+#elif defined(RESHARD_HAVE_ZLIB)
   return uint32_t(crc32_z(uLong(crc), static_cast<const Bytef*>(data), z_size_t(n)));
 #else
   static const auto table = [] {
