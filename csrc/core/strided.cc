@@ -77,13 +77,15 @@ void stream_copy_nofence(void* dst, const void* src, size_t n) {
   if (n >= 256) {
     auto* d = static_cast<uint8_t*>(dst);
     const auto* s = static_cast<const uint8_t*>(src);
-    // Align the destination to 16 bytes, stream 64- or 128-byte blocks, then 16-byte words; only
-    // the last < 16 bytes and the first < 16 bytes go through ordinary stores.
-    const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+    // Align the destination to the vector width (32 bytes with AVX2, else 16), stream 128- or
+    // 64-byte blocks, then 16-byte words; only the first < 32 and the last < 16 bytes go through
+    // ordinary stores.
+    const size_t align = kHaveAvx2 ? 32 : 16;
+    const size_t head = (align - (reinterpret_cast<uintptr_t>(d) & (align - 1))) & (align - 1);
     small_copy(d, s, head);
     d += head, s += head, n -= head;
     size_t body = 0;
-    if (kHaveAvx2 && (reinterpret_cast<uintptr_t>(d) & 31) == 0) {
+    if (kHaveAvx2) {
       body = n / 128 * 128;
       stream_body_avx2(d, s, body);
     } else {
