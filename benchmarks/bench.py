@@ -265,6 +265,16 @@ class Bench:
                      peak_rss_bytes=j["peak_rss_bytes"], threads=j["threads"], seconds_all=j["seconds_all"],
                      note="information only: skips the write into memory")
 
+    def adjacent_ceiling(self, fmt):
+        """The warm read ceiling of `fmt`'s files measured right before a load (3 repeats, median):
+        this VM's memory bandwidth drifts by tens of percent over minutes, so a load's ratio to the
+        ceiling is taken against a ceiling measured seconds, not minutes, away."""
+        if self.a.no_adjacent_ceiling:
+            return None
+        _, out, _ = self.r.run([self.bin, "bench", "read-ceiling", "--repeat", "3"] + self.data_files(fmt),
+                               f"read-ceiling-adjacent-{fmt}")
+        return json_lines(out)[-1]["gbps"]
+
     def memcpy(self):
         nbytes = max(256 << 20, min(int(self.model.state_bytes()), 2 << 30))
         _, out, _ = self.r.run([self.bin, "bench", "memcpy", "--bytes", str(nbytes), "--repeat", "5"], "memcpy")
@@ -285,6 +295,7 @@ class Bench:
             cmd.append("--cold")
         else:  # warm the cache (an untimed load)
             cmd[cmd.index("--repeat") + 1] = str(repeat + 1)
+        adjacent = self.adjacent_ceiling(fmt) if cache == "warm" else None
         _, out, _ = self.r.run(cmd, f"{system}-{cache}-{fmt}-{short_layout(target)}", env=self.env_for(K))
         runs = json_lines(out)
         if cache == "warm":
@@ -305,7 +316,7 @@ class Bench:
                      memory_budget_bytes=m["memory_budget_bytes"], dedup=m["dedup"], verify=m["verify"],
                      bytes_verified=m.get("bytes_verified"), verify_bytes_read=m.get("verify_bytes_read"),
                      checked_as_read=(m["bytes_verified"] / m["bytes_read"]) if m.get("bytes_read") else None,
-                     io_threads=m["io_threads"], change=m["change"])
+                     io_threads=m["io_threads"], change=m["change"], read_ceiling_adjacent_gbps=adjacent)
         if cache == "cold":
             e["resident_fraction_after_evict"] = max(j.get("resident_fraction_after_evict", -1) for j in runs)
         # Where the time goes: the executor's phases, max over ranks, of the median repeat.
@@ -330,6 +341,7 @@ class Bench:
                            "--layout", target, "--repeat", str(repeat), "--reshard-bin", self.bin]
         if cache == "cold":
             cmd.append("--cold")
+        adjacent = self.adjacent_ceiling("dcp") if cache == "warm" else None
         _, out, _ = self.r.run(cmd, f"dcp-{cache}-{short_layout(target)}", env=self.env_for(K))
         j = json_lines(out)[-1]
         e = self.add(system="dcp", case=f"{cache} dcp {short_layout(self.a.source)}->{short_layout(target)}",
@@ -339,7 +351,8 @@ class Bench:
                      bytes_needed=self.model.state_bytes(),
                      read_amplification=(j["bytes_read"] / self.model.state_bytes()) if j.get("bytes_read") else None,
                      bytes_exchanged=0, plan_seconds=None, peak_rss_bytes=j["peak_rss_bytes"],
-                     rss_above_live_bytes=j["rss_above_live_bytes"], live_bytes_max_rank=j["live_bytes_max_rank"])
+                     rss_above_live_bytes=j["rss_above_live_bytes"], live_bytes_max_rank=j["live_bytes_max_rank"],
+                     read_ceiling_adjacent_gbps=adjacent)
         if cache == "cold":
             e["resident_fraction_after_evict"] = j.get("resident_fraction_after_evict")
 
@@ -399,10 +412,18 @@ class Bench:
                 continue
             c = ceil.get((e["cache"], e["source_format"]))
             need = e.get("bytes_needed") or 0
-            if c and need and e["seconds"]:
+            # The ceiling measured right before this load where there is one, else the run's.
+            cgbps = e.get("read_ceiling_adjacent_gbps") or (c["gbps"] if c else None)
+            if cgbps and need and e["seconds"]:
                 # Fraction of the read ceiling for the same bytes: time the ceiling takes to read the
-                # bytes this load needs, over this load's time.
-                e["x_read_ceiling"] = (need / (c["gbps"] * 1e9)) / e["seconds"]
+                # bytes this load needs (each stored byte once), over this load's time.
+                e["x_read_ceiling"] = (need / (cgbps * 1e9)) / e["seconds"]
+                # The same against the bytes the load writes (GB/s of target state over the
+                # ceiling's GB/s): a target that replicates state over dp or pipeline stages writes
+                # more bytes than the files hold (tied embeddings on two stages, 16-bit weights on
+                # every dp rank).
+                if e.get("target_bytes"):
+                    e["x_read_ceiling_target"] = (e["target_bytes"] / (cgbps * 1e9)) / e["seconds"]
             if memcpy and e.get("target_bytes"):
                 e["x_memcpy_ceiling"] = (e["target_bytes"] / (memcpy["gbps"] * 1e9)) / e["seconds"]
             for peer in ("dcp", "ucp"):
@@ -447,6 +468,9 @@ class Bench:
                 self.skip("deepspeed", why)
             else:
                 S.append(("DeepSpeed save", self._ds_save_guarded))
+        # The checkpoints were just written: flush their dirty pages so that writeback does not run
+        # (and take a core) during the timed loads that follow.
+        S.append(("flush written checkpoints (sync)", os.sync))
         S.append(("memcpy ceiling", self.memcpy))
         S.append(("read ceilings (native)", lambda: self.ceilings("native", ["warm", "cold"])))
         if not a.skip_dcp:
@@ -572,13 +596,14 @@ def markdown(entries, info):
              f"- model: {info.get('model')}",
              f"- source layout {info.get('source_layout')}; memory budget {info.get('memory_budget')} per rank; "
              f"median of {info.get('repeat')} warm repeats", ""]
-    lines += ["| system | case | ranks | seconds | GB/s | x read ceiling | read amp. | exchanged GB | plan s | "
-              "peak RSS GiB | RSS above live GiB | vs dcp | vs ucp | checksummed |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| system | case | ranks | seconds | GB/s | x read ceiling | x ceiling GB/s | read amp. | exchanged GB | "
+              "plan s | peak RSS GiB | RSS above live GiB | vs dcp | vs ucp | checksummed |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         lines.append("| " + " | ".join([
             e["system"], e["case"], fmt(e.get("ranks"), "d"), fmt(e.get("seconds"), ".3f"), fmt(e.get("gbps"), ".2f"),
-            fmt(e.get("x_read_ceiling"), ".2f"), fmt(e.get("read_amplification"), ".2f"),
+            fmt(e.get("x_read_ceiling"), ".2f"), fmt(e.get("x_read_ceiling_target"), ".2f"),
+            fmt(e.get("read_amplification"), ".2f"),
             fmt(e["bytes_exchanged"] / 1e9 if e.get("bytes_exchanged") is not None else None, ".3f"),
             fmt(e.get("plan_seconds"), ".4f"),
             fmt(e["peak_rss_bytes"] / 2**30 if e.get("peak_rss_bytes") else None, ".2f"),
@@ -608,7 +633,9 @@ def markdown(entries, info):
               "the same bytes out of the shared page cache is not a storage read (reshard: "
               "read_amplification_copies in results.json counts every copy out of a file)."]
     lines += ["", "GB = 10^9 bytes, GiB = 2^30 bytes. GB/s = bytes of target state / seconds. x read ceiling = "
-              "(bytes needed / read-ceiling GB/s of the same files and cache) / seconds. vs dcp / vs ucp = the "
+              "(bytes needed / read-ceiling GB/s of the same files and cache, measured right before the load when "
+              "warm) / seconds; x ceiling GB/s = this entry's GB/s / that ceiling's GB/s (counts the bytes the "
+              "target holds, which exceed the files' where it replicates state). vs dcp / vs ucp = the "
               "peer's seconds / this entry's seconds (same target layout and cache; UCP includes its conversion).", ""]
     return "\n".join(lines)
 
@@ -680,6 +707,9 @@ def main(argv=None):
     ap.add_argument("--skip-dcp", action="store_true")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--keep-data", action="store_true")
+    ap.add_argument("--no-adjacent-ceiling", action="store_true",
+                    help="ratios against the run's one warm read ceiling instead of one measured right before "
+                         "each warm load")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
     # The command as the user typed it (scripts/bench.sh adds --reshard-bin and --plan-bench).
