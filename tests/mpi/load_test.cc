@@ -313,6 +313,35 @@ TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Ranks that were given different checksum modes would take different collectives in the
+// pre-flight (only "full" checks units there); the pre-flight's one all-gather compares plan hash
+// and mode, so every rank fails, before any write and without hanging.
+TEST(MpiLoad, RanksWithDifferentVerifyModesFailEveryRankBeforeAnyWrite) {
+  Communicator& comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  std::string dir = shared_dir();
+  const std::string root = dir + "/ckpt";
+  if (comm.rank() == 0) synth_checkpoint(root, gqa_model(), Topology::parse("tp=1,pp=1,dp=1,zero=1"), 17);
+  comm.barrier();
+  auto ckpt = open_checkpoint(root);
+  Layout target = derive_layout(gqa_model(), Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  RankLive live(target, comm.rank());
+  LoadOptions o;
+  o.verify = comm.rank() == comm.size() - 1 ? "full" : "free";
+  std::string msg;
+  try {
+    load(*ckpt, target, live.ptrs(), comm, o);
+    ADD_FAILURE() << "ranks with different verify modes must not load";
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kInternal) << msg;
+    EXPECT_NE(msg.find("differs between ranks"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(live.untouched());
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // verify="full": every piece the load touches, also one cut between target ranks (a row-parallel
 // weight's columns split over tp), is read whole by one rank and checked in the pre-flight, so a
 // flipped byte fails every rank before any write. "free" does not check cut pieces; its report
