@@ -655,6 +655,55 @@ TEST(DeepSpeedMalformed, TruncatedGarbageBadOffsetsHostilePickle) {
 // which a load reads tensor by tensor, so verify="free" cannot check it (and its report says how
 // much it did check); verify="full" reads the record whole in the pre-flight and refuses the load
 // before any write, naming the file and the record's bytes.
+// verify="free" (default) checks a whole zip record while it copies it into the live tensor (the
+// running CRC-32, slab by slab); a flipped byte fails the load naming the file, and the record's
+// live copy is left as NaN, not as the corrupt values.
+TEST(DeepSpeedReader, FreeVerifyChecksAWholeRecordWhileCopyingAndLeavesNaN) {
+  REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
+  const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc_free");
+  const std::string victim = "layer_02-model_00-model_states.pt";  // layer 0
+  auto [off, len] = tensor_bytes(step + "/" + victim, "self_attention.dense.weight");
+  ASSERT_EQ(len, 64u * 64 * 4);
+  {
+    std::fstream io(step + "/" + victim, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(std::streamoff(off + len / 2));
+    char x;
+    io.get(x);
+    io.seekp(std::streamoff(off + len / 2));
+    io.put(char(x ^ 0x08));
+  }
+  auto reader = open_checkpoint(step);
+  const Layout target = derive_layout(reader->source().layout.model, Topology::parse("tp=1,pp=1,dp=1,zero=1"));
+  int wb = -1;
+  for (size_t b = 0; b < target.buffers.size(); ++b)
+    if (target.buffers[b].name == "weight/layers.0.self_attention.dense.weight") wb = int(b);
+  ASSERT_GE(wb, 0);
+  ASSERT_EQ(target.buffers[size_t(wb)].dtype, DType::F32);
+  std::vector<std::vector<uint8_t>> mem;
+  std::vector<void*> ptrs;
+  for (const Buffer& b : target.buffers) mem.emplace_back(size_t(b.numel) * dtype_size(b.dtype), 0x5A);
+  for (auto& m : mem) ptrs.push_back(m.data());
+  auto comm = make_local_communicator();
+  try {
+    load(*reader, target, ptrs, *comm);
+    ADD_FAILURE() << "a flipped byte in a whole record loaded under verify=free";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kFailedPrecondition) << m;
+    EXPECT_NE(m.find(victim), std::string::npos) << m;
+    EXPECT_NE(m.find("zip CRC-32"), std::string::npos) << m;
+    EXPECT_NE(m.find("overwritten with NaN"), std::string::npos) << m;
+  }
+  const auto& w = mem[size_t(wb)];
+  ASSERT_EQ(w.size(), len);
+  for (size_t i = 0; i < w.size(); i += 4) {
+    float v;
+    std::memcpy(&v, &w[i], 4);
+    ASSERT_TRUE(std::isnan(v)) << "element " << i / 4 << " of the corrupt record's live copy is " << v;
+  }
+  fs::remove_all(fs::path(step).parent_path());
+}
+
 TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
   REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
   const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc");
