@@ -290,7 +290,11 @@ def main(argv=None):
                 refs["zero_to_fp32"] = ref_zero_to_fp32(case_dir, tag, logs, name)
             refs["ds_to_universal"] = ref_universal(case_dir, tag, logs, name)
             for k, v in refs.items():
-                print(f"[make_checkpoints] {name}: {k} ok={v['ok']} {v['seconds']}s", flush=True)
+                note = ""
+                if not v["ok"] and "workaround_ok" in v:
+                    note = (f" (DeepSpeed's own tool fails on this checkpoint: {v['workaround']}; "
+                            f"workaround_ok={v['workaround_ok']})")
+                print(f"[make_checkpoints] {name}: {k} ok={v['ok']} {v['seconds']}s{note}", flush=True)
         entry["reference"] = refs
         manifest["cases"][name] = entry
         with open(man_path, "w") as f:

@@ -106,7 +106,9 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
   lo.verify = verify;
   LoadReport r = load(*ckpt, target, ptrs, comm, lo);
   // "full" checks every unit the load reads from (so at least the distinct bytes it needs).
-  if (verify == "full") EXPECT_GE(r.bytes_verified, r.bytes_needed);
+  if (verify == "full") {
+    EXPECT_GE(r.bytes_verified, r.bytes_needed);
+  }
   EXPECT_EQ(r.state.step, int64_t(1 + seed % 1000));
   // Values.
   int64_t bad = 0;
@@ -153,7 +155,9 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
   EXPECT_EQ(r.bytes_exchanged, plan.bytes_to_exchange);
   uint64_t replica_bytes = 0;
   for (const ReplicaSource& rs : plan.replica_sources) replica_bytes += rs.bytes();
-  if (policy != ReplicaPolicy::kAverage) EXPECT_EQ(replica_bytes, 0u);
+  if (policy != ReplicaPolicy::kAverage) {
+    EXPECT_EQ(replica_bytes, 0u);
+  }
   if (dedup) {
     EXPECT_EQ(plan.bytes_to_read, plan.bytes_needed + replica_bytes + plan.bytes_reread_on_node);
     EXPECT_EQ(r.bytes_reread_on_node, plan.bytes_reread_on_node);

@@ -132,7 +132,9 @@ TEST(ChecksumChecks, PlannerPlansCoverEveryTouchedUnitOnce) {
       std::vector<ChecksumCheck> c = checksum_checks(p, units);
       int ncut = 0;
       for (const ChecksumCheck& k : c) ncut += k.cut;
-      if (sa == sb) EXPECT_EQ(ncut, 0) << "cut units in an identity load";
+      if (sa == sb) {
+        EXPECT_EQ(ncut, 0) << "cut units in an identity load";
+      }
       cut_cases += ncut > 0;
       for (const ChecksumUnit& u : units) {
         bool touched = false, whole = false;

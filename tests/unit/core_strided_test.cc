@@ -119,7 +119,9 @@ TEST(Slabs, TileTheBoxInPackedOrder) {
     });
     EXPECT_EQ(next, box.numel());
     for (int x : seen) ASSERT_EQ(x, 1);
-    if (box.numel() > 0) EXPECT_GE(slabs, (box.numel() + std::max<int64_t>(c.max, 1) - 1) / std::max<int64_t>(c.max, 1));
+    if (box.numel() > 0) {
+      EXPECT_GE(slabs, (box.numel() + std::max<int64_t>(c.max, 1) - 1) / std::max<int64_t>(c.max, 1));
+    }
   }
 }
 
@@ -136,7 +138,9 @@ TEST(Poison, FloatsBecomeNanOthersAllOnesOutsideUntouched) {
     for (int i = 0; i < 30; ++i) {
       const bool inside = i >= 2 && (i - 2) % 10 < 4 && (i - 2) / 10 < 3;
       EXPECT_EQ(std::isnan(v[size_t(i)]), inside) << i;
-      if (!inside) EXPECT_EQ(v[size_t(i)], 1.5f) << i;
+      if (!inside) {
+        EXPECT_EQ(v[size_t(i)], 1.5f) << i;
+      }
     }
   }
   {

@@ -156,7 +156,9 @@ void run_kills(const char* name, const ModelConfig& m, int kills, int min_kills,
       check_step(root, n);  // every visible step is complete
     }
     // The step `latest` named after the previous kill is still there (possibly replaced whole).
-    if (!prev_latest.empty()) EXPECT_TRUE(io::is_dir(io::join(root, prev_latest))) << prev_latest;
+    if (!prev_latest.empty()) {
+      EXPECT_TRUE(io::is_dir(io::join(root, prev_latest))) << prev_latest;
+    }
     prev_latest = name;
     ++done;
   }

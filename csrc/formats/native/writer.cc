@@ -162,14 +162,6 @@ bool is_any_leftover(const std::string& name) {
   return true;
 }
 
-bool is_leftover_of(const std::string& name, const std::string& prefix) {
-  // prefix + 16 hex digits: a temporary of an earlier save of the same step.
-  if (name.size() != prefix.size() + 16 || name.compare(0, prefix.size(), prefix) != 0) return false;
-  for (size_t i = prefix.size(); i < name.size(); ++i)
-    if (!std::isxdigit(static_cast<unsigned char>(name[i]))) return false;
-  return true;
-}
-
 /// Rank 0's part after every data file is written and fsynced: metadata, rename, latest.
 void commit_step(const std::string& root, const std::string& step, const std::string& tmpdir,
                  const std::string& nonce, const std::string& metadata) {
