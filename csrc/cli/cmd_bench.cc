@@ -26,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
@@ -129,19 +130,25 @@ int run_load(const LoadArgs& a) {
   auto ckpt = open_checkpoint(a.path, oo);
   Topology topo = Topology::parse(a.target);
   Layout target = derive_layout(ckpt->source().layout.model, topo);
-  // This rank's live buffers: allocated and touched once, reused by every repeat.
+  // This rank's live buffers: allocated and touched once, reused by every repeat. Each starts on
+  // a 64-byte boundary, as torch's CPU allocator places tensors.
   std::vector<void*> ptrs(target.buffers.size(), nullptr);
-  uint64_t live = 0;
+  uint64_t live = 0, span = 0;
   for (const auto& b : target.buffers)
-    if (b.rank == me) live += uint64_t(b.numel) * dtype_size(b.dtype);
-  std::unique_ptr<uint8_t[]> mem(new uint8_t[std::max<uint64_t>(live, 1)]);
-  prefault(mem.get(), live);
+    if (b.rank == me) {
+      live += uint64_t(b.numel) * dtype_size(b.dtype);
+      span += (uint64_t(b.numel) * dtype_size(b.dtype) + 63) / 64 * 64;
+    }
+  std::unique_ptr<uint8_t, decltype(&std::free)> mem(
+      static_cast<uint8_t*>(std::aligned_alloc(4096, (std::max<uint64_t>(span, 1) + 4095) / 4096 * 4096)), &std::free);
+  if (!mem) fail(ErrorCode::kFailedPrecondition, "cannot allocate ", span, " bytes of live buffers");
+  prefault(mem.get(), span);
   {
     uint64_t at = 0;
     for (size_t b = 0; b < target.buffers.size(); ++b)
       if (target.buffers[b].rank == me) {
         ptrs[b] = mem.get() + at;
-        at += uint64_t(target.buffers[b].numel) * dtype_size(target.buffers[b].dtype);
+        at += (uint64_t(target.buffers[b].numel) * dtype_size(target.buffers[b].dtype) + 63) / 64 * 64;
       }
   }
   const uint64_t rss_before = peak_rss_bytes();
