@@ -304,13 +304,13 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
     step, json, per_rank (only when the layout is identical)}, "text"}``.
 
-    Raises, on every rank and before any tensor is written: InvalidArgument (tensors that do not
+    Raises, on every rank. Before any tensor is written: InvalidArgument (tensors that do not
     match the layout, strictness, shapes, a verify value other than off/free/full), DataLoss
     (uncovered elements, missing or short files, replicas that differ under policy "error": names
     the tensor and max |diff|; any checksum mismatch with verify="full", one in a piece sent to
     another rank with "free"), InvalidArgument (tensors on several devices), Internal (ranks given
-    different ``verify`` values, or inputs that plan differently). FailedPrecondition
-    when a failure happens after live tensors were partly written ("free": a checksum mismatch
+    different ``verify`` values, or inputs that plan differently). After live tensors were
+    partly written: FailedPrecondition ("free": a checksum mismatch
     found while a piece was copied locally, its copy then overwritten with NaN; or a peer of the
     communicator fails): they are then unusable and the trainer must abort. CUDA tensors are
     written only after the whole load succeeded, so they are never partly written.
