@@ -14,8 +14,8 @@ namespace reshard {
 namespace {
 
 #ifdef RESHARD_X86
-// The bulk of a streaming copy: dst is 16-byte aligned (SSE2) or 32-byte aligned (AVX2), n a
-// multiple of 64 (SSE2) or 128 (AVX2). Unaligned loads, non-temporal stores, no fence.
+// The bulk of a streaming copy: dst is 64-byte aligned (a cache line), n a multiple of 64 (SSE2)
+// or 128 (AVX2). Unaligned loads, non-temporal stores, no fence.
 void stream_body_sse2(uint8_t* d, const uint8_t* s, size_t n) {
   for (size_t i = 0; i < n; i += 64) {
     __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
@@ -42,7 +42,8 @@ __attribute__((target("avx2"))) void stream_body_avx2(uint8_t* d, const uint8_t*
   }
 }
 
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+// (__builtin_cpu_init first: this initializer may run before libgcc's own.)
+const bool kHaveAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 #endif
 
 // Copies fewer than 64 bytes with at most two (overlapping) loads and stores of one width: a
