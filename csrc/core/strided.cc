@@ -48,7 +48,7 @@ const bool kHaveAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 
 // Copies fewer than 64 bytes with at most two (overlapping) loads and stores of one width: a
 // libc or `rep movs` call costs more than the copy at this size.
-inline void small_copy(uint8_t* d, const uint8_t* s, size_t n) {
+[[maybe_unused]] inline void small_copy(uint8_t* d, const uint8_t* s, size_t n) {
   auto two = [&](auto word) {
     using W = decltype(word);
     W a, b;
