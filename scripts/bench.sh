@@ -29,4 +29,9 @@ if [[ ! -x "$BUILD/bin/reshard" ]]; then
 fi
 export PATH="$ROOT/.venv/bin:$PATH"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" "$ROOT/benchmarks/bench.py" --reshard-bin "$BUILD/bin/reshard" --plan-bench "$BUILD/bin/plan_bench" "$@"
+# DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer (~70 MB) in /dev/shm per rank
+# and run (the DeepSpeed save and UCP steps); remove the ones this run made, so repeated runs do
+# not fill the machine's memory.
+SHM_MARK=$(mktemp)
+trap 'find /dev/shm -maxdepth 1 -name "deepspeed_allreduce_buffer_*" -newer "$SHM_MARK" -delete 2>/dev/null; rm -f "$SHM_MARK"' EXIT
+"$PY" "$ROOT/benchmarks/bench.py" --reshard-bin "$BUILD/bin/reshard" --plan-bench "$BUILD/bin/plan_bench" "$@"
