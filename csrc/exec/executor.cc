@@ -33,19 +33,24 @@ std::string prefix(const Communicator& c) {
   return "[rank " + std::to_string(c.rank()) + "/" + std::to_string(c.size()) + "] ";
 }
 
-// Gathers one status string per rank; throws on every rank if any is non-empty.
+// Gathers one status string per rank; throws on every rank if any is non-empty. Whether live
+// tensors were written travels with the status, so every rank raises the same code and message:
+// the job's state is unusable once any rank wrote (a rank that wrote nothing itself must not
+// report "nothing written" while its peers abort with "partly written").
 void agree_or_throw(Communicator& comm, const std::string& mine, ErrorCode code, const std::string& what,
                     bool live_written) {
-  std::vector<std::string> all = comm.all_gather_strings(mine);
+  std::vector<std::string> all = comm.all_gather_strings((live_written ? "1" : "0") + mine);
   std::string msg;
   int nbad = 0;
+  bool any_written = false;
   for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty()) continue;
-    if (nbad++ < 8) msg += (msg.empty() ? "" : "; ") + all[r];
+    any_written |= !all[r].empty() && all[r][0] == '1';
+    if (all[r].size() <= 1) continue;
+    if (nbad++ < 8) msg += (msg.empty() ? "" : "; ") + all[r].substr(1);
   }
   if (nbad == 0) return;
   if (nbad > 8) msg += "; ... (" + std::to_string(nbad) + " ranks reported problems)";
-  if (live_written)
+  if (any_written)
     fail(ErrorCode::kFailedPrecondition, what, " failed after live tensors were partly written; the live state is "
          "unusable and the trainer must abort: ", msg);
   fail(code, what, " failed before any live tensor was written: ", msg);
@@ -424,14 +429,29 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       Box rel = f.box;
       for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
       if (m.src) {
-        // Checked in the mapping itself, before a byte of it goes anywhere. A fragment that only
-        // this rank receives is checked in the copy step instead, slab by slab as it is copied,
-        // so the copy reads each slab from the cache the hash just filled (one pass over memory).
+        // Checked out of the mapping, slab by slab as it is packed into its send slot or staging
+        // (the slab is hashed, then copied from cache: one pass over memory); nothing packed
+        // leaves this rank before the read step's verdict is agreed. A fragment that only this
+        // rank receives is checked in the copy step instead, slab by slab as it is copied.
         if (m.verify && m.dst) {
-          std::string bad = source.verify_range(f.file, f.byte_base, f.bytes(), m.src);
+          std::unique_ptr<RangeCheck> chk = source.begin_check(f.file, f.byte_base, f.bytes());
+          std::string bad;
+          if (chk) {
+            // A checked fragment is dense in file order: packing it is a byte copy.
+            for_each_slab(rel, int64_t(kCheckSlabBytes / dtype_size(f.src_dtype)), [&](const Box& slab, int64_t packed) {
+              const uint64_t at = uint64_t(packed) * dtype_size(f.src_dtype), n = uint64_t(slab.numel()) * dtype_size(f.src_dtype);
+              chk->update(m.src + at, n);
+              std::memcpy(m.dst + at, m.src + at, n);
+            });
+            bad = chk->finish();
+          } else {
+            bad = source.verify_range(f.file, f.byte_base, f.bytes(), m.src);
+            if (bad.empty()) pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
+          }
           if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
           nverified.fetch_add(1);
           nverified_bytes.fetch_add(f.bytes());
+          return;
         }
         if (m.dst) pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
         return;

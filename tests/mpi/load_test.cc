@@ -317,6 +317,45 @@ TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// With one read per job (node-local reads off) a piece many ranks need is read once and sent: its
+// checksum is checked in the read step, slab by slab while it is packed, and a mismatch fails
+// every rank before the exchange, so no rank's copy of that tensor is written.
+TEST(MpiLoad, FlippedByteInAPieceSentToOtherRanksFailsBeforeTheExchange) {
+  Communicator& comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs a receiver on another rank";
+  std::string dir = shared_dir();
+  const std::string root = dir + "/ckpt";
+  const std::string tensor = "layers.0.self_attention.dense.weight";
+  if (comm.rank() == 0) {
+    synth_checkpoint(root, gqa_model(), Topology::parse("tp=2,pp=2,dp=2,zero=1"), 19);
+    EXPECT_TRUE(flip_byte_in_piece(root, 0, StateKind::kWeight, tensor));
+  }
+  comm.barrier();
+  auto ckpt = open_checkpoint(root);
+  Layout target = derive_layout(gqa_model(), Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  RankLive live(target, comm.rank());
+  LoadOptions o;
+  o.plan.node_local_reads = false;
+  std::string msg;
+  try {
+    load(*ckpt, target, live.ptrs(), comm, o);
+    ADD_FAILURE() << "a flipped byte must not load";
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_TRUE(e.code() == ErrorCode::kDataLoss || e.code() == ErrorCode::kFailedPrecondition) << msg;
+    EXPECT_NE(msg.find("reading wave"), std::string::npos) << "checked in the read step: " << msg;
+    EXPECT_NE(msg.find("xxh3 mismatch"), std::string::npos) << msg;
+  }
+  std::vector<std::string> all = comm.all_gather_strings(msg);
+  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  for (size_t b = 0; b < target.buffers.size(); ++b)
+    if (target.buffers[b].name == "weight/" + tensor && target.buffers[b].rank == comm.rank()) {
+      for (uint8_t x : live.mem[b]) ASSERT_EQ(x, 0xAB) << "rank " << comm.rank() << " received part of the bad piece";
+    }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // Ranks that were given different checksum modes would take different collectives in the
 // pre-flight (only "full" checks units there); the pre-flight's one all-gather compares plan hash
 // and mode, so every rank fails, before any write and without hanging.
