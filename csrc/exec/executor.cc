@@ -22,9 +22,9 @@ namespace {
 constexpr int kFanoutMinReceivers = 3;
 
 using Clock = std::chrono::steady_clock;
-// Bytes of a checked fragment hashed and then copied while still in cache (see
-// check_and_copy_slabs): well inside a core's L2 (1 MiB on the machines we measure on), with room
-// for the destination's write-combining and other threads.
+// Bytes of a checked fragment hashed and then copied while still in cache (see check_slabs):
+// well inside a core's L2 (1 MiB on the machines we measure on), with room for the destination's
+// write-combining and other threads.
 constexpr uint64_t kCheckSlabBytes = 256 << 10;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -282,7 +282,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // Checksums: a fragment that is a whole stored piece is checked as it is read: by the reading
   // thread before any of its bytes go to a send slot or staging (hash, then pack, while the bytes
   // are in cache), or, when only this rank receives it straight from the file mapping, slab by
-  // slab while the copy task copies it (check_and_copy_slabs: one pass over memory; a piece that
+  // slab while the copy task copies it (check_slabs: one pass over memory; a piece that
   // fails is overwritten with NaN in the live tensors). A mismatch found in the copy step fails
   // every rank after that step; other, checked pieces may have been copied by then.
   // Staging/send/recv memory is reused across waves and never zero-initialised; unpack and
@@ -292,6 +292,24 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // (verify="free"; "full" checked every unit in the pre-flight).
   auto checked = [&](const Fragment& f) {
     return opt.verify == VerifyMode::kFree && dense(f.box, f.src_strides) && source.has_checksum(f.file, f.byte_base, f.bytes());
+  };
+  // Checks a checked fragment whose bytes are at `src` (its file mapping) slab by slab: each
+  // slab (a cache-sized, contiguous part, whole inner rows) goes into the running checksum, then
+  // to use(slab, byte offset, bytes) while it is still in cache, so the fragment crosses memory
+  // once. Returns the checksum's verdict ("" when it matches).
+  auto check_slabs = [&](const Fragment& f, const uint8_t* src, const auto& use) {
+    std::unique_ptr<RangeCheck> chk = source.begin_check(f.file, f.byte_base, f.bytes());
+    RESHARD_CHECK(chk != nullptr, "a range with a stored checksum has a check");
+    const size_t es = dtype_size(f.src_dtype);
+    Box rel = f.box;
+    for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+    for_each_slab(rel, int64_t(kCheckSlabBytes / es), [&](const Box& slab, int64_t packed) {
+      // The fragment is dense in file order, so a slab's packed offset is its offset in memory.
+      const uint64_t off = uint64_t(packed) * es, n = uint64_t(slab.numel()) * es;
+      chk->update(src + off, n);
+      use(slab, off, n);
+    });
+    return chk->finish();
   };
   // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
   // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's
@@ -434,20 +452,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         // leaves this rank before the read step's verdict is agreed. A fragment that only this
         // rank receives is checked in the copy step instead, slab by slab as it is copied.
         if (m.verify && m.dst) {
-          std::unique_ptr<RangeCheck> chk = source.begin_check(f.file, f.byte_base, f.bytes());
-          std::string bad;
-          if (chk) {
-            // A checked fragment is dense in file order: packing it is a byte copy.
-            for_each_slab(rel, int64_t(kCheckSlabBytes / dtype_size(f.src_dtype)), [&](const Box& slab, int64_t packed) {
-              const uint64_t at = uint64_t(packed) * dtype_size(f.src_dtype), n = uint64_t(slab.numel()) * dtype_size(f.src_dtype);
-              chk->update(m.src + at, n);
-              std::memcpy(m.dst + at, m.src + at, n);
-            });
-            bad = chk->finish();
-          } else {
-            bad = source.verify_range(f.file, f.byte_base, f.bytes(), m.src);
-            if (bad.empty()) pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
-          }
+          // A checked fragment is dense in file order: packing it is a byte copy.
+          std::string bad = check_slabs(f, m.src, [&](const Box&, uint64_t at, uint64_t n) {
+            std::memcpy(m.dst + at, m.src + at, n);
+          });
           if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
           nverified.fetch_add(1);
           nverified_bytes.fetch_add(f.bytes());
@@ -564,20 +572,12 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       tasks.push_back({k, 1, c.src_strided && check_in_copy[c.frag - lo] != 0});
     }
     if (!to_live.empty()) written = true;
-    // A checked fragment copied straight out of the file mapping: slab by slab (a cache-sized,
-    // contiguous part of the fragment), each slab first goes into the running checksum and is
-    // then copied to every local delivery while it is still in cache, so the fragment crosses
-    // memory once. When the checksum fails at the end, every delivery of the fragment is
+    // A checked fragment copied straight out of the file mapping goes to every local delivery
+    // slab by slab (check_slabs). When its checksum fails, every delivery of the fragment is
     // overwritten with poison (NaN) before the error is raised: no corrupt value stays in a live
     // tensor, and a trainer that ignores the error sees NaN, not plausible numbers.
-    auto check_and_copy_slabs = [&](const Copy& c0, const Fragment& f, RangeCheck& chk, size_t first, size_t count) {
-      const size_t es = dtype_size(f.src_dtype);
-      Box rel = f.box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-      for_each_slab(rel, int64_t(kCheckSlabBytes / es), [&](const Box& slab, int64_t packed) {
-        // The fragment is dense in file order, so a slab's packed offset is its memory offset.
-        const uint8_t* src = c0.src + uint64_t(packed) * es;
-        chk.update(src, uint64_t(slab.numel()) * es);
+    auto check_and_copy = [&](const Copy& c0, const Fragment& f, size_t first, size_t count) {
+      std::string bad = check_slabs(f, c0.src, [&](const Box& slab, uint64_t off, uint64_t) {
         for (size_t k = first; k < first + count; ++k) {
           const Delivery& dv = plan.deliveries[copies[to_live[k]].peer_or_delivery];
           const Buffer& b = target.buffers[dv.buffer];
@@ -585,12 +585,14 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
           for (int d = 0; d < slab.ndim; ++d) at += slab.off[d] * dv.strides[d];
           Box shape = slab;
           for (int d = 0; d < shape.ndim; ++d) shape.off[d] = 0;
-          copy_box(src, f.src_dtype, f.src_strides, static_cast<uint8_t*>(buffers[dv.buffer]) + at * int64_t(dtype_size(b.dtype)),
-                   b.dtype, dv.strides, shape, Store::kStream);
+          copy_box(c0.src + off, f.src_dtype, f.src_strides,
+                   static_cast<uint8_t*>(buffers[dv.buffer]) + at * int64_t(dtype_size(b.dtype)), b.dtype, dv.strides,
+                   shape, Store::kStream);
         }
       });
-      std::string bad = chk.finish();
       if (bad.empty()) return;
+      Box rel = f.box;
+      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
       for (size_t k = first; k < first + count; ++k) {
         const Delivery& dv = plan.deliveries[copies[to_live[k]].peer_or_delivery];
         const Buffer& b = target.buffers[dv.buffer];
@@ -606,14 +608,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         if (task.check) {
           const Copy& c = copies[to_live[task.first]];
           const Fragment& f = plan.fragments[c.frag];
-          std::unique_ptr<RangeCheck> chk = source.begin_check(f.file, f.byte_base, f.bytes());
-          if (chk) {
-            check_and_copy_slabs(c, f, *chk, task.first, task.count);
-          } else {
-            std::string bad = source.verify_range(f.file, f.byte_base, f.bytes(), c.src);
-            if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
-            for (size_t k = task.first; k < task.first + task.count; ++k) do_copy(copies[to_live[k]]);
-          }
+          check_and_copy(c, f, task.first, task.count);
           nverified.fetch_add(1);
           nverified_bytes.fetch_add(f.bytes());
           return;

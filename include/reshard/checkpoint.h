@@ -31,8 +31,8 @@ class RangeCheck {
  public:
   virtual ~RangeCheck() = default;
   virtual void update(const void* data, size_t n) = 0;
-  /// Empty when the bytes given match the stored checksum, else the message verify_range() gives
-  /// for the same bytes (file, tensor, byte range, stored and computed values).
+  /// Empty when the bytes given match the stored checksum, else a message naming file, tensor or
+  /// record, byte range, stored and computed values.
   virtual std::string finish() = 0;
 };
 
@@ -60,18 +60,21 @@ class CheckpointReader {
   /// touch only ranges the pre-flight checked against file_size() (a byte past the end of a
   /// mapped file is SIGBUS, not an error).
   virtual const uint8_t* mapped(int32_t file) const { return nullptr; }
-  /// Checks stored checksums of the pieces covering a file range, where the format has them.
-  /// Returns an empty string when fine, else a message naming file, tensor and byte range.
-  virtual std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const {
-    return {};
-  }
-  /// True when the format stores a checksum for exactly this byte range (verify_range checks it).
+  /// True when the format stores a checksum for exactly this byte range (a native piece, a
+  /// DeepSpeed zip record).
   virtual bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const { return false; }
-  /// An incremental check of exactly a range has_checksum() accepts (same verdict and message as
-  /// verify_range on the same bytes), or nullptr where there is none (then check with
-  /// verify_range).
+  /// The check of exactly a range has_checksum() accepts, fed the range's bytes in order; nullptr
+  /// for any other range. Formats implement their checksums here only.
   virtual std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const {
     return nullptr;
+  }
+  /// The same check on the whole range at once: empty when fine or when the range has no stored
+  /// checksum, else begin_check's message.
+  std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const {
+    std::unique_ptr<RangeCheck> c = begin_check(file, offset, length);
+    if (!c) return {};
+    c->update(data, length);
+    return c->finish();
   }
   /// Every byte range verify_range() can check, for load option verify="full".
   virtual std::vector<ChecksumUnit> checksum_units() const { return {}; }

@@ -1,6 +1,7 @@
-// Checks one checksum unit the way a load's copy step does (RangeCheck, the bytes given in
-// uneven parts) and the way verify=full does (verify_range, the bytes whole), and expects the
-// same verdict and message from both.
+// Checks one checksum unit the way a load's copy step does (RangeCheck fed the bytes in uneven
+// parts) and the way verify=full does (verify_range: the bytes in one update), and expects the
+// same verdict and message from both: a checksum state carried across parts must give what one
+// pass gives.
 #pragma once
 
 #include <gtest/gtest.h>

@@ -112,8 +112,8 @@ class FaultReader final : public CheckpointReader {
   const NonTensorState& state() const override { return in_.state(); }
   std::vector<std::string> notes() const override { return in_.notes(); }
   uint64_t file_size(int32_t f) const override { return in_.file_size(f); }
-  std::string verify_range(int32_t f, uint64_t o, uint64_t l, const void* d) const override {
-    return in_.verify_range(f, o, l, d);
+  std::unique_ptr<RangeCheck> begin_check(int32_t f, uint64_t o, uint64_t l) const override {
+    return in_.begin_check(f, o, l);
   }
   void read(int32_t f, uint64_t o, uint64_t l, void* dst) const override {
     if (++reads_ == fail_at_)

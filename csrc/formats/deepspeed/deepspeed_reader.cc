@@ -169,23 +169,6 @@ class DeepSpeedReader final : public CheckpointReader {
   }
   // DeepSpeed files carry no checksums of their own; a read that covers a whole storage record
   // is checked against the zip CRC-32 of that record.
-  std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const override {
-    if (file < 0 || size_t(file) >= records_.size()) return {};
-    auto it = records_[file].find(offset);
-    if (it == records_[file].end() || it->second.first != length) return {};
-    return crc_message(file, offset, length, pt::zip_crc32(data, length));
-  }
-
-  // Empty when `crc` is the stored CRC-32 of the record at [offset, offset + length) of `file`.
-  std::string crc_message(int32_t file, uint64_t offset, uint64_t length, uint32_t crc) const {
-    const uint32_t want = records_[file].at(offset).second;
-    if (crc == want) return {};
-    std::ostringstream os;
-    os << source_.files[file] << ": bytes [" << offset << ", " << offset + length << ") fail the zip CRC-32 (stored "
-       << std::hex << want << ", computed " << crc << ")";
-    return os.str();
-  }
-
   bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const override {
     if (file < 0 || size_t(file) >= records_.size()) return false;
     auto it = records_[file].find(offset);
@@ -200,7 +183,14 @@ class DeepSpeedReader final : public CheckpointReader {
       uint64_t offset, length;
       uint32_t crc = 0;
       void update(const void* data, size_t n) override { crc = pt::zip_crc32(data, n, crc); }
-      std::string finish() override { return r->crc_message(file, offset, length, crc); }
+      std::string finish() override {
+        const uint32_t want = r->records_[file].at(offset).second;
+        if (crc == want) return {};
+        std::ostringstream os;
+        os << r->source_.files[file] << ": bytes [" << offset << ", " << offset + length
+           << ") fail the zip CRC-32 (stored " << std::hex << want << ", computed " << crc << ")";
+        return os.str();
+      }
     };
     auto c = std::make_unique<Check>();
     c->r = this;

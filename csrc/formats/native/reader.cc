@@ -56,16 +56,6 @@ class NativeReader final : public CheckpointReader {
     return io::file_size(src_.files[file]);
   }
 
-  std::string verify_range(int32_t file, uint64_t offset, uint64_t length, const void* data) const override {
-    auto it = by_range_.find({file, offset, length});
-    if (it == by_range_.end()) return {};
-    const int p = it->second;
-    if (checksums_[p].empty()) return {};
-    std::string got = xxh3_hex(data, length);
-    if (got == checksums_[p]) return {};
-    return describe_piece(p) + ": xxh3 mismatch (stored " + checksums_[p] + ", computed " + got + ")";
-  }
-
   bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const override {
     auto it = by_range_.find({file, offset, length});
     return it != by_range_.end() && !checksums_[it->second].empty();
@@ -236,7 +226,7 @@ class NativeReader final : public CheckpointReader {
              " data bytes from byte ", h.data_start, " but the file ends before that", size_text);
       if (size < file_checks_[f].expected) fail(ErrorCode::kDataLoss, path, size_text);
     }
-    // Checksummed ranges, for verify_range.
+    // Checksummed ranges, for has_checksum and begin_check.
     for (size_t p = 0; p < src_.layout.pieces.size(); ++p) {
       const Piece& pc = src_.layout.pieces[p];
       const auto& loc = src_.locations[pc.buffer];
