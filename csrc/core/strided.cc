@@ -77,8 +77,8 @@ const bool kHaveAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 // Streams without the closing fence (copy_box and unpack_box fence once per box). Only whole
 // 64-byte cache lines of the destination get non-temporal stores; the partial first and last
 // lines get ordinary ones. A line written both ways (part cached, part streamed) must be evicted
-// from the cache before the streamed part can go out, which made a copy of misaligned 512-byte
-// runs four times slower than memcpy.
+// from the cache before the streamed part can go out, which made copies of misaligned short runs
+// slower than a plain memcpy.
 void stream_copy_nofence(void* dst, const void* src, size_t n) {
 #ifdef RESHARD_X86
   constexpr size_t kLine = 64;
