@@ -9,11 +9,18 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace reshard::io {
+
+/// `bytes` bytes at `data` (caller-owned).
+struct ByteRange {
+  const void* data;
+  uint64_t bytes;
+};
 
 class File {
  public:
@@ -37,6 +44,9 @@ class File {
   void pread(uint64_t offset, uint64_t length, void* dst) const;
   /// Writes exactly `length` bytes at `offset`.
   void pwrite(uint64_t offset, uint64_t length, const void* src);
+  /// Writes the ranges one after the other from `offset` on (pwritev; at most IOV_MAX ranges
+  /// per call), all of them.
+  void pwritev(uint64_t offset, const ByteRange* ranges, size_t count);
   void fsync();
   void close();
 
@@ -44,6 +54,46 @@ class File {
   File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   int fd_ = -1;
   std::string path_;
+};
+
+/// Writes a file front to back from caller-owned byte ranges without copying them, in system
+/// calls (pwritev) that start and end on multiples of `window` bytes of the file (8 MiB by
+/// default; only the file's last write ends elsewhere).
+///
+/// Why: Linux sizes the page-cache folios a buffered write creates by the write's length and the
+/// alignment of its file offset (filesystems with large folios: ext4 since 6.16, xfs, tmpfs with
+/// huge=). Writes aligned to 2 MiB leave the file in 2 MiB folios, which a later read-only
+/// mapping (a warm load) maps with one page fault per 2 MiB instead of one per 64 KiB or less,
+/// and unmaps as cheaply. Per-tensor writes at arbitrary offsets left mostly small folios.
+///
+/// Ranges passed to append() must stay valid and unchanged until finish() (or until the writer
+/// is destroyed). Errors as File::pwrite, naming the path and byte range.
+class WindowedWriter {
+ public:
+  /// The sink one write goes to: (file offset, ranges, count). Tests replace it to see the
+  /// writes; the default is pwritev on `file`, looping over short writes and EINTR.
+  using Sink = std::function<void(uint64_t offset, const ByteRange* ranges, size_t count)>;
+  static constexpr uint64_t kDefaultWindow = uint64_t(8) << 20;
+
+  /// Writes `file` from byte `start` on.
+  explicit WindowedWriter(File& file, uint64_t start = 0, uint64_t window = kDefaultWindow);
+  WindowedWriter(Sink sink, uint64_t start, uint64_t window);
+  /// Queues `bytes` bytes at `data` as the next bytes of the file; writes every whole window
+  /// now complete.
+  void append(const void* data, uint64_t bytes);
+  /// Writes what is queued. Idempotent.
+  void finish();
+  /// File offset of the next appended byte.
+  uint64_t position() const { return pos_ + queued_; }
+
+ private:
+  void write_front(uint64_t bytes);
+  Sink sink_;
+  uint64_t window_;
+  uint64_t pos_;          // file offset of the first queued byte
+  uint64_t queued_ = 0;   // bytes queued
+  std::vector<ByteRange> q_;  // queued ranges; q_[0] starts `skip_` bytes in
+  uint64_t skip_ = 0;
 };
 
 /// A read-only shared mapping of a whole file (mmap PROT_READ, MAP_SHARED): the page-cache pages
