@@ -261,7 +261,7 @@ class Bench:
                      seconds=j["seconds"], gbps=j["gbps"], bytes=j["bytes"], read_amplification=1.0,
                      peak_rss_bytes=j["peak_rss_bytes"], threads=j["threads"], seconds_all=j["seconds_all"],
                      resident_fraction_after_evict=j.get("resident_fraction_after_evict"))
-        if fmt == "native":
+        if fmt == "native" and "warm" in caches:
             _, out, _ = self.r.run([self.bin, "bench", "read-ceiling", "--small-buffer", "--repeat",
                                     str(self.a.repeat)] + files, f"read-small-{fmt}")
             j = json_lines(out)[-1]
