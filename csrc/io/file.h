@@ -66,8 +66,9 @@ class File {
 /// mapping (a warm load) maps with one page fault per 2 MiB instead of one per 64 KiB or less,
 /// and unmaps as cheaply. Per-tensor writes at arbitrary offsets left mostly small folios.
 ///
-/// Ranges passed to append() must stay valid and unchanged until finish() (or until the writer
-/// is destroyed). Errors as File::pwrite, naming the path and byte range.
+/// Ranges passed to append() must stay valid and unchanged until finish(). A writer destroyed
+/// without finish() (a save that failed part way) drops what it still queues: at most one
+/// window. Errors as File::pwrite, naming the path and byte range.
 class WindowedWriter {
  public:
   /// The sink one write goes to: (file offset, ranges, count). Tests replace it to see the
