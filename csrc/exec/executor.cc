@@ -195,22 +195,24 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
     }
     if (plan.replica_compares.empty()) return report;
 
-    // Replica comparisons (before any write).
+    // Replica comparisons (before any write), this rank's on the io threads; reported in plan
+    // order.
+    std::vector<size_t> mine;
+    for (size_t i = 0; i < plan.replica_compares.size(); ++i)
+      if (plan.replica_compares[i].checker == me) mine.push_back(i);
+    std::vector<double> maxdiff(mine.size(), 0.0);
+    std::string err = parallel_for(mine.size(), io_threads, [&](size_t k) {
+      maxdiff[k] = replica_max_abs_diff(plan.replica_compares[mine[k]], read);
+    });
+    if (!err.empty()) err = prefix(comm) + err;
     std::ostringstream diffs;
-    std::string err;
     int ndiff = 0;
-    for (const auto& c : plan.replica_compares) {
-      if (c.checker != me) continue;
-      try {
-        double m = replica_max_abs_diff(c, read);
-        stats->verify_bytes_read += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
-        if (m > atol) {
-          if (ndiff++ < 6) diffs << (ndiff > 1 ? "; " : "") << c.tensor << " (" << state_kind_name(c.state) << ") "
-                                 << c.box.to_string() << " in " << src.files[c.replica.file] << ": max |diff| " << m;
-        }
-      } catch (const Error& e) {
-        if (err.empty()) err = prefix(comm) + e.what();
-      }
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const ReplicaCompare& c = plan.replica_compares[mine[k]];
+      stats->verify_bytes_read += uint64_t(c.box.numel()) * (dtype_size(c.authoritative.dtype) + dtype_size(c.replica.dtype));
+      if (maxdiff[k] > atol && ndiff++ < 6)
+        diffs << (ndiff > 1 ? "; " : "") << c.tensor << " (" << state_kind_name(c.state) << ") " << c.box.to_string()
+              << " in " << src.files[c.replica.file] << ": max |diff| " << maxdiff[k];
     }
     agree_or_throw(comm, err, ErrorCode::kDataLoss, "replica comparison", false);
     std::string dmsg = ndiff ? prefix(comm) + diffs.str() : "";

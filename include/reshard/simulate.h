@@ -28,7 +28,10 @@ std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target,
                                          const std::vector<void*>& target_buffers,
                                          ReplicaPolicy policy = ReplicaPolicy::kError, double atol = 0.0);
 
-/// Max |a - b| over a packed box read from two replica locations (values converted to double).
+/// Max |a - b| over a box read from two replica locations (values converted to double; equal values,
+/// equal infinities and two NaNs count as equal, a NaN against a number as +inf). Reads and compares slab by slab (at most 2^18
+/// elements at a time; bitwise-equal slabs of one dtype are 0 without conversion), so memory stays
+/// small for any box. Errors: whatever `read` throws.
 double replica_max_abs_diff(const ReplicaCompare& c, const ReadFn& read);
 
 /// Replica policy kAverage: replaces the packed box of fragment `f` (row-major, dtype f.src_dtype,

@@ -1,4 +1,4 @@
-// The box copy kernels: streaming (non-temporal) stores must write exactly the bytes ordinary
+// The box copy kernels (and the replica comparison built on the same slabs): streaming (non-temporal) stores must write exactly the bytes ordinary
 // stores write, for every length and every source/destination misalignment, and never a byte
 // outside the destination range.
 #include <gtest/gtest.h>
@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "reshard/simulate.h"
 #include "reshard/strided.h"
 
 namespace reshard {
@@ -160,6 +161,84 @@ TEST(Poison, FloatsBecomeNanOthersAllOnesOutsideUntouched) {
     fill_poison_box(n.data(), DType::I32, box, strides);
     EXPECT_EQ(n[1], -1);
     EXPECT_EQ(n[5], 7);
+  }
+}
+
+
+// Replica comparison reads slab by slab: a box of several slabs, each side strided differently
+// inside its "file", must report the one differing element wherever it is, in either dtype pair.
+TEST(ReplicaCompare, FindsTheOneDifferenceInAnySlabOfAStridedBoxAcrossDtypes) {
+  // Box [3, 700, 300] (630,000 elements: three slabs of 2^18 at most) at offset (1, 5, 7) of a
+  // [5, 720, 310] array in file 0 (authoritative, f32) and at offset (0, 0, 2) of a [3, 700, 304]
+  // array in file 1 (replica, f32 or bf16).
+  const std::array<int64_t, 3> la = {5, 720, 310}, lb = {3, 700, 304};
+  Box box;
+  box.ndim = 3;
+  box.len = {3, 700, 300};
+  auto strides = [](const std::array<int64_t, 3>& l) {
+    std::array<int64_t, kMaxDims> s{};
+    s[2] = 1, s[1] = l[2], s[0] = l[1] * l[2];
+    return s;
+  };
+  ReplicaCompare c;
+  c.box = box;
+  c.authoritative.file = 0;
+  c.authoritative.strides = strides(la);
+  c.authoritative.dtype = DType::F32;
+  c.authoritative.byte_base = uint64_t(1 * c.authoritative.strides[0] + 5 * c.authoritative.strides[1] + 7) * 4;
+  c.replica.file = 1;
+  c.replica.strides = strides(lb);
+  c.replica.byte_base = 2 * 0;  // set per dtype below
+  for (DType rt : {DType::F32, DType::BF16}) {
+    c.replica.dtype = rt;
+    const size_t re = dtype_size(rt);
+    c.replica.byte_base = 2 * re;
+    // Values exact in bf16 (small integers) so the two dtypes hold the same numbers.
+    std::vector<float> fa(size_t(la[0] * la[1] * la[2]));
+    for (size_t i = 0; i < fa.size(); ++i) fa[i] = float(int(i % 97) - 48);
+    std::vector<float> fb(size_t(lb[0] * lb[1] * lb[2]), 0.0f);
+    // The replica holds the box's values at its own place.
+    for (int64_t i = 0; i < 3; ++i)
+      for (int64_t j = 0; j < 700; ++j)
+        for (int64_t k = 0; k < 300; ++k)
+          fb[size_t(i * c.replica.strides[0] + j * c.replica.strides[1] + k + 2)] =
+              fa[size_t((i + 1) * c.authoritative.strides[0] + (j + 5) * c.authoritative.strides[1] + k + 7)];
+    std::vector<std::vector<uint8_t>> files(2);
+    auto put = [&](int file, const std::vector<float>& v, DType t) {
+      files[size_t(file)].resize(v.size() * dtype_size(t));
+      convert_elements(v.data(), DType::F32, files[size_t(file)].data(), t, v.size());
+    };
+    ReadFn read = [&](int32_t file, uint64_t off, uint64_t len, void* dst) {
+      ASSERT_LE(off + len, files[size_t(file)].size());
+      std::memcpy(dst, files[size_t(file)].data() + off, len);
+    };
+    put(0, fa, DType::F32);
+    put(1, fb, rt);
+    EXPECT_EQ(replica_max_abs_diff(c, read), 0.0) << dtype_name(rt);
+    // One element differs, in the last slab (i = 2), then in the first; elements outside the box
+    // (the replica's padding columns) never count.
+    for (int64_t i : {int64_t(2), int64_t(0)}) {
+      std::vector<float> g = fb;
+      g[size_t(i * c.replica.strides[0] + 650 * c.replica.strides[1] + 299 + 2)] += 3.0f;
+      g[size_t(1 * c.replica.strides[0] + 10 * c.replica.strides[1] + 0)] = 1e6f;  // padding column
+      put(1, g, rt);
+      EXPECT_EQ(replica_max_abs_diff(c, read), 3.0) << dtype_name(rt) << " slab of i=" << i;
+    }
+    // Equal infinities are equal; a NaN against a number is +inf; two NaNs are equal.
+    std::vector<float> inf_a = fa, inf_b = fb;
+    const size_t at_a = size_t(1 * c.authoritative.strides[0] + 5 * c.authoritative.strides[1] + 7);
+    const size_t at_b = 2;
+    inf_a[at_a] = INFINITY, inf_b[at_b] = INFINITY;
+    put(0, inf_a, DType::F32);
+    put(1, inf_b, rt);
+    EXPECT_EQ(replica_max_abs_diff(c, read), 0.0) << dtype_name(rt);
+    inf_a[at_a] = NAN, inf_b[at_b] = NAN;
+    put(0, inf_a, DType::F32);
+    put(1, inf_b, rt);
+    EXPECT_EQ(replica_max_abs_diff(c, read), 0.0) << dtype_name(rt);
+    inf_b[at_b] = 1.0f;
+    put(1, inf_b, rt);
+    EXPECT_EQ(replica_max_abs_diff(c, read), INFINITY) << dtype_name(rt);
   }
 }
 
