@@ -38,7 +38,7 @@ fi
 if compgen -G "build/bin/*_test" >/dev/null && [[ -x tests/mpi/run.sh ]] && ls build/bin | grep -q '^comm_test$'; then
   run_suite "MPI (mpirun -np 1..8)" bash tests/mpi/run.sh build
 fi
-PYTEST_ARGS=(-q -p no:cacheprovider tests/python)
+PYTEST_ARGS=(-q -rs -p no:cacheprovider tests/python)
 [[ "${RESHARD_TEST_QUICK:-0}" == 1 ]] && PYTEST_ARGS+=(-m "not slow")
 run_suite "Python (pytest)" .venv/bin/python -m pytest "${PYTEST_ARGS[@]}"
 

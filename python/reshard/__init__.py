@@ -386,9 +386,13 @@ def save(root: str, step: str, layout: "Layout", tensors, *, state: Optional[Map
     "consumed_samples", "step" (int), "json" (str: one JSON object: scheduler, loss scaler, ...),
     "per_rank" {rank: bytes} (RNG, sampler)}``.
 
-    Raises FailedPrecondition (ranks see different filesystems, or a rank failed to write),
-    InvalidArgument (bad step name, tensors that do not match the layout, comm size different from
-    the layout's world size).
+    Raises FailedPrecondition (ranks see different filesystems, or, with more than one rank, any
+    rank failed: the message names each failing rank and its error), DataLoss (one rank: the
+    filesystem refused the data: no space left, read-only, an I/O error; the message names the
+    path and, for a write, the byte range), InvalidArgument (bad step name, tensors that do not
+    match the layout, comm size different from the layout's world size, a path the process may
+    not write). A save that fails with an error removes its temporary folder; no step folder
+    appears.
     """
     comm = _default_comm(comm)
     st = dict(state or {})
@@ -403,7 +407,8 @@ def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[tor
                    state: Optional[Mapping] = None) -> None:
     """Like :func:`save` from one process that holds every rank's buffers (conversion tools,
     tests): ``tensors`` is indexed like ``layout.buffers`` and every entry must be given. Rank
-    files are written one after another; no communicator is needed. Errors as :func:`save`."""
+    files are written one after another; no communicator is needed. Errors as :func:`save` with
+    one rank (DataLoss when the filesystem refuses the data)."""
     st = dict(state or {})
     if "json" in st and not isinstance(st["json"], str):
         st["json"] = _json.dumps(st["json"])
