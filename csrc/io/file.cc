@@ -238,9 +238,10 @@ void File::pwritev(uint64_t offset, const ByteRange* r, size_t count) {
     ssize_t n = ::pwritev(fd_, iov.data() + first, n_iov, off_t(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
-      fail_errno(errno, "cannot write " + range(offset, total) + " of " + path_);
+      fail_errno(errno, "cannot write " + range(offset + done, total - done) + " of " + path_);
     }
-    if (n == 0) fail(ErrorCode::kDataLoss, "cannot write ", range(offset, total), " of ", path_, ": no progress");
+    if (n == 0)
+      fail(ErrorCode::kDataLoss, "cannot write ", range(offset + done, total - done), " of ", path_, ": no progress");
     done += uint64_t(n);
     // Skip what was written: whole ranges, then part of the next.
     size_t left = size_t(n);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "io/file.h"
+#include "reshard/error.h"
 #include "unit/test_util.h"
 
 namespace reshard::io {
@@ -114,6 +115,25 @@ TEST(WindowedWriter, FileHoldsExactlyTheAppendedBytesWithMoreRangesThanOneSystem
   EXPECT_EQ(file_size(path), expect.size());
   EXPECT_TRUE(read_text(path) == expect) << "file content differs from the appended bytes";
   remove_all(dir);
+}
+
+
+TEST(WindowedWriter, AFullDeviceFailsWithDataLossNamingThePathAndTheBytesNotWritten) {
+  // /dev/full refuses every write with ENOSPC.
+  if (!is_file("/dev/full") && !exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  File f = File::create("/dev/full");
+  WindowedWriter w(f, 0, 4096);
+  const std::string data = pattern(10000, 5);
+  try {
+    w.append(data.data(), data.size());
+    w.finish();
+    FAIL() << "writing to /dev/full succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << e.what();
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("/dev/full"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("bytes [0, 8192)"), std::string::npos) << msg;  // the first window-aligned write
+  }
 }
 
 }  // namespace
