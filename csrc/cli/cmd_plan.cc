@@ -14,7 +14,7 @@ namespace reshard::cli {
 
 namespace {
 struct PlanArgs {
-  std::string path, model, source, target, budget;
+  std::string path, step, model, source, target, budget;
   bool json = false, no_dedup = false;
 };
 
@@ -26,6 +26,7 @@ Command plan_command() {
   c.add = [a](CLI::App& app) {
     CLI::App* s = app.add_subcommand("plan", "Dry run: plan a load without touching tensor data");
     s->add_option("path", a->path, "Checkpoint (root or step folder); omit with --model/--source");
+    s->add_option("--step", a->step, "Step to open (default: the one `latest` names; with PATH)");
     s->add_option("--model", a->model, "Model YAML (path or name under configs/models)");
     s->add_option("--source", a->source, "Source layout, e.g. tp=8,pp=16,dp=8,zero=1 (with --model)");
     s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=8,dp=32,zero=1")->required();
@@ -43,6 +44,7 @@ Command plan_command() {
     double secs = 0;
     if (!a->path.empty()) {
       OpenOptions oo;
+      oo.step = a->step;
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
       auto ckpt = open_checkpoint(a->path, oo);
       Layout tl = derive_layout(ckpt->source().layout.model, target);
@@ -50,6 +52,7 @@ Command plan_command() {
     } else {
       if (a->model.empty() || a->source.empty())
         fail(ErrorCode::kInvalidArgument, "plan needs a checkpoint PATH, or --model and --source");
+      if (!a->step.empty()) fail(ErrorCode::kInvalidArgument, "plan --step needs a checkpoint PATH");
       ModelConfig m = load_model_config(resolve_model_path(a->model));
       Topology source = Topology::parse(a->source);
       auto t0 = std::chrono::steady_clock::now();
