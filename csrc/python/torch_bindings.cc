@@ -299,7 +299,11 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Layout, std::shared_ptr<Layout>>(m, "Layout")
       .def_property_readonly("topology", [](const Layout& L) { return L.topo.to_string(); })
       .def_property_readonly("world_size", [](const Layout& L) { return L.topo.world_size(); })
-      .def_property_readonly("buffers", &buffers_to_py)
+      .def_property_readonly("buffers", &buffers_to_py,
+                             "Every buffer of every rank, in layout order: a list of dicts {name, rank, dtype "
+                             "('BF16', 'F32', ...), numel (elements), state ('weight', 'fp32', 'exp_avg', "
+                             "'exp_avg_sq'), group}. Built anew on each access (O(number of buffers)): keep "
+                             "it in a variable rather than indexing layout.buffers in a loop.")
       .def_property_readonly("tensors", [](const Layout& L) {
         py::list out;
         for (const auto& t : L.tensors) out.append(tensor_spec_to_py(t));

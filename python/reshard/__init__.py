@@ -319,7 +319,9 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     comm = _default_comm(comm)
     layout = _target_layout(ckpt, target)
     tlist = _tensor_list(layout, comm.rank, tensors)
-    devices = {t.device for i, t in enumerate(tlist) if t is not None and layout.buffers[i]["rank"] == comm.rank}
+    # Layout.buffers builds a list of every buffer of every rank on each access: read it once.
+    bufs = layout.buffers
+    devices = {t.device for i, t in enumerate(tlist) if t is not None and bufs[i]["rank"] == comm.rank}
     if len(devices) > 1:
         raise InvalidArgument(f"rank {comm.rank}'s tensors are on several devices ({', '.join(sorted(map(str, devices)))}); "
                               "give all of them on one device")
@@ -344,11 +346,12 @@ def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify
     pin = device.type == "cuda" and torch.cuda.is_available()
     host: List[Optional[torch.Tensor]] = [None] * len(tlist)
     staged = 0
+    bufs = layout.buffers  # one build of the list (see load)
     for i, t in enumerate(tlist):
-        if t is None or layout.buffers[i]["rank"] != me:
+        if t is None or bufs[i]["rank"] != me:
             continue
         if not t.is_contiguous():
-            raise InvalidArgument(f"load: tensor for buffer {layout.buffers[i]['name']} is not contiguous")
+            raise InvalidArgument(f"load: tensor for buffer {bufs[i]['name']} is not contiguous")
         host[i] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
         staged += t.numel() * t.element_size()
     report = _C.load(ckpt, layout, host, comm, policies, io_threads, verify)
