@@ -68,10 +68,12 @@ std::string fs_check_failures(const std::vector<std::vector<bool>>& seen, const 
 /// (format_version newer than kNativeFormatVersion).
 std::unique_ptr<CheckpointReader> open_native(const std::string& step_dir, std::vector<std::string> notes = {});
 
-/// Reads every piece of an opened checkpoint and checks it: the stored xxh3-64 of each piece
-/// (native), every data file present and of the size metadata records. Returns one message per
-/// problem naming file, buffer, tensor and byte range; empty when the checkpoint is sound.
-/// Formats without checksums get the read and size checks only.
+/// Reads every stored byte of an opened checkpoint and checks it: native, the stored xxh3-64 of
+/// each piece and every data file present and of the size metadata records; other formats,
+/// every checksum unit the reader exposes read whole and checked (DeepSpeed: the zip CRC-32 of
+/// each record, ZeRO flat partitions included) and every piece outside such a unit read. Returns
+/// one message per problem naming file, buffer, tensor and byte range; empty when the checkpoint
+/// is sound. A format without checksums gets the read checks only.
 std::vector<std::string> verify_all(const CheckpointReader& reader);
 
 /// Writes a synthetic checkpoint of (model, topology) as ROOT/<step> (and `latest`), saved with

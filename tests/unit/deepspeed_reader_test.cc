@@ -20,6 +20,7 @@
 #include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/inspect.h"
+#include "reshard/native.h"
 #include "reshard/reshard.h"
 #include "reshard/torch_archive.h"
 #include "unit/checksum_parts.h"
@@ -704,6 +705,47 @@ TEST(DeepSpeedReader, FreeVerifyChecksAWholeRecordWhileCopyingAndLeavesNaN) {
     ASSERT_TRUE(std::isnan(v)) << "element " << i / 4 << " of the corrupt record's live copy is " << v;
   }
   fs::remove_all(fs::path(step).parent_path());
+}
+
+// `reshard verify` (verify_all) on DeepSpeed files checks every zip record's CRC-32, the ZeRO
+// flat partitions included: a flat partition holds many pieces, and reading the pieces one by one
+// checked none of it (verify said "every checksum matches" over a flipped byte).
+TEST(DeepSpeedReader, VerifyAllChecksEveryRecordIncludingFlatPartitions) {
+  REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
+  const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "verify_all");
+  EXPECT_TRUE(verify_all(*open_checkpoint(step)).empty());
+  const std::string victim = "zero_pp_rank_1_mp_rank_00_optim_states.pt";
+  {
+    auto r0 = open_checkpoint(step);
+    const SourceLayout& s = r0->source();
+    int32_t file = -1;
+    for (size_t f = 0; f < s.files.size(); ++f)
+      if (fs::path(s.files[f]).filename() == victim) file = int32_t(f);
+    ASSERT_GE(file, 0);
+    ChecksumUnit big;
+    for (const ChecksumUnit& u : r0->checksum_units())
+      if (u.file == file && u.length > big.length) big = u;
+    ASSERT_GT(big.length, 1000u) << "the fp32 flat partition is the file's largest record";
+    // The flat partition is cut into several pieces: no piece is the whole record.
+    int pieces_inside = 0;
+    for (const Piece& pc : s.layout.pieces) {
+      const auto& loc = s.locations[pc.buffer];
+      const uint64_t off = loc.byte_offset + uint64_t(pc.base) * dtype_size(s.layout.buffers[pc.buffer].dtype);
+      if (loc.file == file && off >= big.offset && off < big.offset + big.length) ++pieces_inside;
+    }
+    ASSERT_GT(pieces_inside, 1);
+    std::fstream f(s.files[file], std::ios::in | std::ios::out | std::ios::binary);
+    const uint64_t at = big.offset + big.length / 2;
+    f.seekg(std::streamoff(at));
+    char x;
+    f.get(x);
+    f.seekp(std::streamoff(at));
+    f.put(char(x ^ 0x10));
+  }
+  const std::vector<std::string> problems = verify_all(*open_checkpoint(step));
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_NE(problems[0].find(victim), std::string::npos) << problems[0];
+  EXPECT_NE(problems[0].find("zip CRC-32"), std::string::npos) << problems[0];
 }
 
 TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {

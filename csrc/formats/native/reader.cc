@@ -11,6 +11,7 @@
 #include "formats/native/native_internal.h"
 #include "formats/safetensors/safetensors.h"
 #include "io/file.h"
+#include "reshard/checkpoint.h"
 #include "reshard/error.h"
 #include "reshard/native.h"
 
@@ -283,10 +284,38 @@ std::vector<std::string> verify_all(const CheckpointReader& reader) {
         report("buffer " + src.layout.buffers[b].name + " (rank " + std::to_string(src.layout.buffers[b].rank) +
                "): its data file is missing");
   }
+  const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  // Formats other than native store checksums per storage unit, not per piece (DeepSpeed: the zip
+  // CRC-32 of each record; a ZeRO flat partition is one record holding many pieces), so a piece
+  // read does not check them: every unit is read whole and checked, and only pieces outside every
+  // unit are read on their own (for presence and size).
+  std::map<int32_t, std::vector<std::pair<uint64_t, uint64_t>>> units;  // file -> sorted [begin, end)
+  if (!nat) {
+    std::vector<ChecksumUnit> all = reader.checksum_units();
+    for (const std::string& s : check_checksum_units(reader, all, int(n))) report(s);
+    for (const ChecksumUnit& u : all) units[u.file].push_back({u.offset, u.offset + u.length});
+    for (auto& [f, v] : units) std::sort(v.begin(), v.end());
+  }
+  auto inside_a_unit = [&](int32_t file, uint64_t begin, uint64_t end) {
+    auto it = units.find(file);
+    if (it == units.end()) return false;
+    const auto& v = it->second;
+    auto u = std::upper_bound(v.begin(), v.end(), std::make_pair(begin, UINT64_MAX));
+    if (u == v.begin()) return false;
+    --u;
+    return u->first <= begin && end <= u->second;
+  };
   // Every piece: read its byte range and check it (in parallel; reads are thread-safe).
   std::vector<int> todo;
-  for (size_t p = 0; p < src.layout.pieces.size(); ++p)
-    if (src.locations[src.layout.pieces[p].buffer].file >= 0) todo.push_back(int(p));
+  for (size_t p = 0; p < src.layout.pieces.size(); ++p) {
+    const Piece& pc = src.layout.pieces[p];
+    const auto& loc = src.locations[pc.buffer];
+    if (loc.file < 0) continue;
+    const size_t es = dtype_size(src.layout.buffers[pc.buffer].dtype);
+    const uint64_t off = loc.byte_offset + uint64_t(pc.base) * es;
+    if (inside_a_unit(loc.file, off, off + uint64_t(native::piece_span(pc)) * es)) continue;
+    todo.push_back(int(p));
+  }
   std::atomic<size_t> next{0};
   auto work = [&] {
     std::vector<char> buf;
@@ -309,7 +338,6 @@ std::vector<std::string> verify_all(const CheckpointReader& reader) {
       }
     }
   };
-  const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
   std::vector<std::thread> threads;
   for (unsigned i = 1; i < n; ++i) threads.emplace_back(work);
   work();
