@@ -16,6 +16,7 @@
 
 #include "formats/deepspeed/deepspeed_reader.h"
 #include "formats/deepspeed/ds_names.h"
+#include "io/file.h"
 #include "reshard/checkpoint.h"
 #include "reshard/consolidate.h"
 #include "reshard/error.h"
@@ -705,6 +706,23 @@ TEST(DeepSpeedReader, FreeVerifyChecksAWholeRecordWhileCopyingAndLeavesNaN) {
     ASSERT_TRUE(std::isnan(v)) << "element " << i / 4 << " of the corrupt record's live copy is " << v;
   }
   fs::remove_all(fs::path(step).parent_path());
+}
+
+// A Universal Checkpointing folder (ds_to_universal's output) is named as such, not reported as a
+// damaged pipeline checkpoint; nothing in it is parsed.
+TEST(DeepSpeedReader, UniversalCheckpointFolderIsNamedAsSuch) {
+  const std::string dir = io::join(testing::make_temp_dir("ucp"), "global_step1_universal");
+  io::make_dirs(io::join(dir, "zero/1.mlp.dense_4h_to_h.weight"));
+  io::write_text(io::join(dir, "zero/1.mlp.dense_4h_to_h.weight/fp32.pt"), "not parsed");
+  io::write_text(io::join(dir, "mp_rank_00_model_states.pt"), "not parsed");
+  try {
+    open_checkpoint(dir);
+    FAIL() << "a Universal Checkpoint folder opened";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Universal Checkpoint"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(dir), std::string::npos) << e.what();
+  }
 }
 
 // `reshard verify` (verify_all) on DeepSpeed files checks every zip record's CRC-32, the ZeRO

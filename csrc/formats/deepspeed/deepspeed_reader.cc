@@ -322,6 +322,17 @@ struct Builder {
 
 void Builder::list_and_open() {
   if (!io::is_dir(dir)) fail(ErrorCode::kNotFound, "DeepSpeed step folder ", dir, " does not exist");
+  // ds_to_universal's output: optimizer state per parameter under zero/<param>/{fp32, exp_avg,
+  // exp_avg_sq}.pt, no optim_states files [deepspeed/checkpoint/ds_to_universal.py].
+  if (io::is_dir(io::join(dir, "zero"))) {
+    bool has_optim = false;
+    for (const auto& name : io::list_dir(dir))
+      if (name.find("optim_states.pt") != std::string::npos) has_optim = true;
+    if (!has_optim)
+      fail(ErrorCode::kUnsupported, dir, " is a DeepSpeed Universal Checkpoint (zero/<param>/fp32.pt, exp_avg.pt, "
+           "exp_avg_sq.pt written by ds_to_universal); reshard reads the checkpoint it was converted from (the "
+           "global_stepN folder) and reshards that directly, with no conversion");
+  }
   std::vector<std::string> moe;
   for (const auto& name : io::list_dir(dir)) {
     ds::FileName fn = ds::parse_file_name(name);
