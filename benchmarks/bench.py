@@ -329,6 +329,7 @@ class Bench:
         e["breakdown"] = {"seconds": mid["seconds"], "plan_seconds": mid["plan_seconds"],
                           "read_seconds": mid["read_seconds_max_rank"],
                           "copy_seconds": mid.get("copy_seconds_max_rank", 0.0),
+                          "preflight_seconds": mid.get("preflight_seconds_max_rank", 0.0),
                           "exchange_seconds": mid["exchange_seconds_max_rank"],
                           "scatter_seconds": mid["scatter_seconds_max_rank"], "waves": mid["waves"],
                           "bytes_read_max_rank": mid["bytes_read_max_rank"],
@@ -631,14 +632,17 @@ def markdown(entries, info):
             fmt(e.get("speedup_vs_dcp"), ".1f"), fmt(e.get("speedup_vs_ucp"), ".1f"), checksummed(e)]) + " |")
     bds = [e for e in entries if e.get("breakdown")]
     if bds:
-        lines += ["", "reshard loads, where the time goes (executor phases, max over ranks, median repeat; read = "
-                  "checksum checks + packing what other ranks get; copy = local copies into live tensors; exchange = "
-                  "all-to-all-v and group broadcasts; scatter = unpacking what was received):", "",
-                  "| system | case | total s | plan s | read s | copy s | exchange s | scatter s | waves |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "reshard loads, where the time goes (executor phases, max over ranks, median repeat; pre-flight = "
+                  "checks before any write (plan agreement, files, the verify=full checksum pass, replica "
+                  "comparisons); read = checksum checks + packing what other ranks get; copy = local copies into "
+                  "live tensors; exchange = all-to-all-v and group broadcasts; scatter = unpacking what was "
+                  "received):", "",
+                  "| system | case | total s | plan s | pre-flight s | read s | copy s | exchange s | scatter s | waves |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for e in bds:
             b = e["breakdown"]
             lines.append(f"| {e['system']} | {e['case']} | {b['seconds']:.3f} | {b['plan_seconds']:.4f} | "
+                         f"{b.get('preflight_seconds', 0.0):.3f} | "
                          f"{b['read_seconds']:.3f} | {b.get('copy_seconds', 0.0):.3f} | {b['exchange_seconds']:.3f} | "
                          f"{b['scatter_seconds']:.3f} | {b['waves']} |")
     ucp = [e for e in entries if e["system"] == "ucp"]

@@ -69,6 +69,7 @@ LoadReport assemble_load_report(const Plan& plan, const Layout& target, const Ch
   r.exchange_seconds = st.exchange_seconds;
   r.scatter_seconds = st.scatter_seconds;
   r.copy_seconds = st.copy_seconds;
+  r.preflight_seconds = st.preflight_seconds;
   r.bytes_needed = plan.bytes_needed;
   r.target_bytes = plan.target_bytes;
   r.waves = plan.num_waves;
@@ -172,6 +173,7 @@ std::string LoadReport::to_json() const {
   j["exchange_seconds"] = exchange_seconds;
   j["scatter_seconds"] = scatter_seconds;
   j["copy_seconds"] = copy_seconds;
+  j["preflight_seconds"] = preflight_seconds;
   j["peak_staging_bytes"] = peak_staging_bytes;
   j["policies"] = policies;
   j["not_carried"] = not_carried;

@@ -198,6 +198,7 @@ int run_load(const LoadArgs& a) {
     j["exchange_seconds_max_rank"] = mx(r.exchange_seconds);
     j["scatter_seconds_max_rank"] = mx(r.scatter_seconds);
     j["copy_seconds_max_rank"] = mx(r.copy_seconds);
+    j["preflight_seconds_max_rank"] = mx(r.preflight_seconds);
     j["bytes_read_max_rank"] = comm->all_reduce_max(int64_t(r.rank_bytes_read));
     j["bytes_sent_max_rank"] = comm->all_reduce_max(int64_t(r.rank_bytes_sent));
     if (!a.label.empty()) j["label"] = a.label;

@@ -246,8 +246,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   ReadFn read = [&](int32_t file, uint64_t off, uint64_t len, void* dst) { source.read(file, off, len, dst); };
 
   // 1-2. Same plan everywhere; pre-flight of files and buffers; replica comparisons.
+  const auto tp0 = Clock::now();
   st.replica_report = run_preflight(plan, target, source, buffers, comm, opt.replica_policy, opt.replica_atol,
                                     &st, opt.verify, opt.io_threads);
+  st.preflight_seconds = seconds_since(tp0);
 
   // 3. Waves. Fragments are sorted by wave; find each wave's range once.
   std::vector<size_t> wave_begin(plan.num_waves + 1, plan.fragments.size());

@@ -52,8 +52,10 @@ struct ExecStats {
   uint64_t peak_staging_bytes = 0;
   // read: checksum checks and reads/packs of this rank's fragments; copy: local copies into live
   // tensors and send slots; exchange: all-to-all-v and group broadcasts (with their unpacking);
-  // scatter: unpacking received fragments.
+  // scatter: unpacking received fragments; preflight: plan agreement, file checks, verify="full"
+  // checksum pass and replica comparisons, before any write.
   double read_seconds = 0, copy_seconds = 0, exchange_seconds = 0, scatter_seconds = 0, total_seconds = 0;
+  double preflight_seconds = 0;
   std::vector<std::string> replica_report;  // "tensor (state): max |diff| x" for differing replicas
 };
 

@@ -57,6 +57,9 @@ struct LoadReport {
   /// This rank's own numbers (the totals above are over all ranks).
   uint64_t rank_bytes_read = 0, rank_bytes_sent = 0, rank_bytes_received = 0;
   double read_seconds = 0, copy_seconds = 0, exchange_seconds = 0, scatter_seconds = 0;  // this rank (ExecStats)
+  /// This rank: the pre-flight before any write (plan agreement, file checks, the verify="full"
+  /// checksum pass, replica comparisons), seconds.
+  double preflight_seconds = 0;
   double plan_seconds = 0;        // planning (every rank plans the whole job)
   double seconds = 0;             // wall time of the load, max over ranks, planning included
   double gbps = 0;                // target_bytes / seconds / 1e9 (GB = 10^9 bytes)

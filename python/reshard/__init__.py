@@ -302,7 +302,10 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     all ranks), "checksums_verified", "bytes_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
     (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "policies", "not_carried",
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
-    step, json, per_rank (only when the layout is identical)}, "text"}``.
+    step, json, per_rank (only when the layout is identical)}, "text"}`` and this rank's phase
+    times in seconds: "preflight_seconds" (checks before any write: plan agreement, files, the
+    verify="full" checksum pass, replica comparisons), "read_seconds", "copy_seconds",
+    "exchange_seconds", "scatter_seconds".
 
     Raises, on every rank. Before any tensor is written: InvalidArgument (tensors that do not
     match the layout, strictness, shapes, a verify value other than off/free/full), DataLoss

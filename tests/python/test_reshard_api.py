@@ -68,6 +68,10 @@ def test_inspect_plan_load_roundtrip(tmp_path):
     assert all(not torch.isnan(t).any() for t in a.values())
     assert rep["step"] == info["state"]["step"] and rep["not_carried"]  # per-rank state dropped, and said so
     assert rep["target_bytes"] == L1.total_bytes and rep["gbps"] > 0
+    # Phase times of this rank: the pre-flight (replica comparisons of the tied embedding here)
+    # and the copy both took time, and neither exceeds the load's wall time.
+    assert 0 < rep["preflight_seconds"] <= rep["seconds"], rep
+    assert 0 < rep["copy_seconds"] <= rep["seconds"], rep
     L1s = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1", weights_on_dp0_only=True)
     reshard.save(str(tmp_path / "again"), "step-1", L1s, a, state={"iteration": 3, "consumed_samples": 24, "step": 3})
     b = zeros_for(L1)
