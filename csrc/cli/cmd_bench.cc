@@ -133,11 +133,12 @@ int run_load(const LoadArgs& a) {
   // This rank's live buffers: allocated and touched once, reused by every repeat. Each starts on
   // a 64-byte boundary, as torch's CPU allocator places tensors.
   std::vector<void*> ptrs(target.buffers.size(), nullptr);
+  auto padded = [](const Buffer& b) { return (uint64_t(b.numel) * dtype_size(b.dtype) + 63) / 64 * 64; };
   uint64_t live = 0, span = 0;
   for (const auto& b : target.buffers)
     if (b.rank == me) {
       live += uint64_t(b.numel) * dtype_size(b.dtype);
-      span += (uint64_t(b.numel) * dtype_size(b.dtype) + 63) / 64 * 64;
+      span += padded(b);
     }
   std::unique_ptr<uint8_t, decltype(&std::free)> mem(
       static_cast<uint8_t*>(std::aligned_alloc(4096, (std::max<uint64_t>(span, 1) + 4095) / 4096 * 4096)), &std::free);
@@ -148,7 +149,7 @@ int run_load(const LoadArgs& a) {
     for (size_t b = 0; b < target.buffers.size(); ++b)
       if (target.buffers[b].rank == me) {
         ptrs[b] = mem.get() + at;
-        at += (uint64_t(target.buffers[b].numel) * dtype_size(target.buffers[b].dtype) + 63) / 64 * 64;
+        at += padded(target.buffers[b]);
       }
   }
   const uint64_t rss_before = peak_rss_bytes();

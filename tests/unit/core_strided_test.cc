@@ -188,7 +188,6 @@ TEST(ReplicaCompare, FindsTheOneDifferenceInAnySlabOfAStridedBoxAcrossDtypes) {
   c.authoritative.byte_base = uint64_t(1 * c.authoritative.strides[0] + 5 * c.authoritative.strides[1] + 7) * 4;
   c.replica.file = 1;
   c.replica.strides = strides(lb);
-  c.replica.byte_base = 2 * 0;  // set per dtype below
   for (DType rt : {DType::F32, DType::BF16}) {
     c.replica.dtype = rt;
     const size_t re = dtype_size(rt);

@@ -185,6 +185,29 @@ std::string copy_step(const std::string& c, const std::string& label) {
   return dst;
 }
 
+// Flips one bit in the middle of the largest zip record of `file_name` in a copied step (for a
+// ZeRO optim_states file: the fp32 flat partition) and returns that record; length 0 when the
+// file is not in the checkpoint.
+ChecksumUnit flip_byte_in_largest_record(const std::string& step, const std::string& file_name) {
+  auto r = open_checkpoint(step);
+  const SourceLayout& s = r->source();
+  ChecksumUnit big;
+  for (size_t f = 0; f < s.files.size(); ++f) {
+    if (fs::path(s.files[f]).filename() != file_name) continue;
+    for (const ChecksumUnit& u : r->checksum_units())
+      if (u.file == int32_t(f) && u.length > big.length) big = u;
+  }
+  if (big.length == 0) return big;
+  std::fstream io(s.files[big.file], std::ios::in | std::ios::out | std::ios::binary);
+  const uint64_t at = big.offset + big.length / 2;
+  io.seekg(std::streamoff(at));
+  char x;
+  io.get(x);
+  io.seekp(std::streamoff(at));
+  io.put(char(x ^ 0x10));
+  return big;
+}
+
 // Byte offset and length of a named tensor in a torch file.
 std::pair<uint64_t, uint64_t> tensor_bytes(const std::string& path, const std::string& key) {
   pt::FileSource src(path);
@@ -733,34 +756,21 @@ TEST(DeepSpeedReader, VerifyAllChecksEveryRecordIncludingFlatPartitions) {
   const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "verify_all");
   EXPECT_TRUE(verify_all(*open_checkpoint(step)).empty());
   const std::string victim = "zero_pp_rank_1_mp_rank_00_optim_states.pt";
+  const ChecksumUnit big = flip_byte_in_largest_record(step, victim);
+  ASSERT_GT(big.length, 1000u) << "the fp32 flat partition is the file's largest record";
+  auto reader = open_checkpoint(step);
   {
-    auto r0 = open_checkpoint(step);
-    const SourceLayout& s = r0->source();
-    int32_t file = -1;
-    for (size_t f = 0; f < s.files.size(); ++f)
-      if (fs::path(s.files[f]).filename() == victim) file = int32_t(f);
-    ASSERT_GE(file, 0);
-    ChecksumUnit big;
-    for (const ChecksumUnit& u : r0->checksum_units())
-      if (u.file == file && u.length > big.length) big = u;
-    ASSERT_GT(big.length, 1000u) << "the fp32 flat partition is the file's largest record";
     // The flat partition is cut into several pieces: no piece is the whole record.
+    const SourceLayout& s = reader->source();
     int pieces_inside = 0;
     for (const Piece& pc : s.layout.pieces) {
       const auto& loc = s.locations[pc.buffer];
       const uint64_t off = loc.byte_offset + uint64_t(pc.base) * dtype_size(s.layout.buffers[pc.buffer].dtype);
-      if (loc.file == file && off >= big.offset && off < big.offset + big.length) ++pieces_inside;
+      if (loc.file == big.file && off >= big.offset && off < big.offset + big.length) ++pieces_inside;
     }
     ASSERT_GT(pieces_inside, 1);
-    std::fstream f(s.files[file], std::ios::in | std::ios::out | std::ios::binary);
-    const uint64_t at = big.offset + big.length / 2;
-    f.seekg(std::streamoff(at));
-    char x;
-    f.get(x);
-    f.seekp(std::streamoff(at));
-    f.put(char(x ^ 0x10));
   }
-  const std::vector<std::string> problems = verify_all(*open_checkpoint(step));
+  const std::vector<std::string> problems = verify_all(*reader);
   ASSERT_EQ(problems.size(), 1u);
   EXPECT_NE(problems[0].find(victim), std::string::npos) << problems[0];
   EXPECT_NE(problems[0].find("zip CRC-32"), std::string::npos) << problems[0];
@@ -770,25 +780,8 @@ TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
   REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
   const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc");
   const std::string victim = "zero_pp_rank_1_mp_rank_00_optim_states.pt";
-  {
-    auto r0 = open_checkpoint(step);
-    const SourceLayout& s = r0->source();
-    int32_t file = -1;
-    for (size_t f = 0; f < s.files.size(); ++f)
-      if (fs::path(s.files[f]).filename() == victim) file = int32_t(f);
-    ASSERT_GE(file, 0);
-    ChecksumUnit big;
-    for (const ChecksumUnit& u : r0->checksum_units())
-      if (u.file == file && u.length > big.length) big = u;
-    ASSERT_GT(big.length, 1000u) << "the fp32 flat partition is the file's largest record";
-    std::fstream f(s.files[file], std::ios::in | std::ios::out | std::ios::binary);
-    const uint64_t at = big.offset + big.length / 2;
-    f.seekg(std::streamoff(at));
-    char x;
-    f.get(x);
-    f.seekp(std::streamoff(at));
-    f.put(char(x ^ 0x10));
-  }
+  ASSERT_GT(flip_byte_in_largest_record(step, victim).length, 1000u)
+      << "the fp32 flat partition is the file's largest record";
   auto reader = open_checkpoint(step);
   // The incremental CRC-32 a load's copy step uses agrees with the whole-record check on every
   // record: the flipped one fails (naming the file), every other passes.
