@@ -64,8 +64,8 @@ class File {
 /// alignment of its file offset (filesystems with large folios: ext4 since 6.16, xfs, tmpfs with
 /// huge=). A later read-only mapping (a warm load) maps a 2 MiB folio with one page fault and
 /// smaller ones with one per folio or per 64 KiB. Per-tensor writes at arbitrary offsets cut a
-/// run of small folios at every tensor boundary (12217 folios for a 0.54 GB file, 88.7-98.4% of
-/// its bytes in 2 MiB folios); window-aligned writes leave 699 (99.4-99.8%). See docs/design.md.
+/// run of small folios at every tensor boundary; window-aligned writes do not. See
+/// docs/design.md.
 ///
 /// Ranges passed to append() must stay valid and unchanged until finish(). A writer destroyed
 /// without finish() (a save that failed part way) drops what it still queues: at most one
