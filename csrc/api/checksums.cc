@@ -5,13 +5,14 @@
 #include <mutex>
 #include <thread>
 
+#include "io/file.h"
 #include "reshard/checkpoint.h"
 #include "reshard/error.h"
 
 namespace reshard {
 
 std::vector<std::string> check_checksum_units(const CheckpointReader& reader, const std::vector<ChecksumUnit>& units,
-                                              int threads) {
+                                              int threads, bool drop_pages) {
   std::vector<std::string> problems;
   std::mutex mu;
   auto report = [&](std::string s) {
@@ -45,6 +46,7 @@ std::vector<std::string> check_checksum_units(const CheckpointReader& reader, co
         std::string why;
         if (map && size.at(u.file) >= u.offset + u.length) {
           why = reader.verify_range(u.file, u.offset, u.length, map + u.offset);
+          if (drop_pages) io::drop_mapped_pages(map + u.offset, u.length);
         } else {
           buf.resize(size_t(u.length));
           reader.read(u.file, u.offset, u.length, buf.data());

@@ -8,9 +8,11 @@
 #include <sstream>
 #include <memory>
 #include <thread>
+#include <unordered_map>
 
 #include <sys/mman.h>
 
+#include "io/file.h"
 #include "reshard/error.h"
 #include "reshard/simulate.h"
 #include "reshard/strided.h"
@@ -26,6 +28,59 @@ using Clock = std::chrono::steady_clock;
 // well inside a core's L2 (1 MiB on the machines we measure on), with room for the destination's
 // write-combining and other threads.
 constexpr uint64_t kCheckSlabBytes = 256 << 10;
+
+// Granularity of dropping source pages from a file mapping: the PMD size on x86-64 and arm64
+// (4 KiB pages), the unit the kernel maps 2 MiB page-cache folios in. Dropping part of a
+// PMD-mapped region unmaps all of it, so a neighbour still being copied would fault it in again.
+constexpr uint64_t kDropChunkBytes = uint64_t(2) << 20;
+
+// Which file-mapping chunks this rank's copies of one wave read, and how many of their bytes are
+// still to be read. When the last copy touching a chunk finishes, the rank's mapping of the
+// chunk is dropped (io::drop_mapped_pages): the mapped share of its RSS is then what it is
+// copying now, not every page it has read, and unmapping runs on the copy threads instead of in
+// one munmap when the reader goes. Byte counts are over each fragment's span in the file
+// (strided fragments count the gaps too, consistently on both sides).
+class MappedChunkDrops {
+ public:
+  // A fragment whose bytes [lo, hi) of `file` will be read from `map` (the file's mapping) once.
+  void expect(int32_t file, const uint8_t* map, uint64_t lo, uint64_t hi) {
+    for_chunks(file, lo, hi, [&](uint64_t key, uint64_t a, uint64_t b) {
+      auto [it, fresh] = index_.try_emplace(key, chunks_.size());
+      if (fresh) chunks_.push_back(std::make_unique<Chunk>(map, a, b));
+      Chunk& c = *chunks_[it->second];
+      c.lo = std::min(c.lo, a);
+      c.hi = std::max(c.hi, b);
+      c.left.fetch_add(b - a, std::memory_order_relaxed);
+    });
+  }
+  // That read is done (thread-safe; expect() calls must all come first).
+  void done(int32_t file, uint64_t lo, uint64_t hi) {
+    for_chunks(file, lo, hi, [&](uint64_t key, uint64_t a, uint64_t b) {
+      auto it = index_.find(key);
+      if (it == index_.end()) return;
+      Chunk& c = *chunks_[it->second];
+      if (c.left.fetch_sub(b - a, std::memory_order_acq_rel) == b - a)
+        io::drop_mapped_pages(c.map + c.lo, c.hi - c.lo);
+    });
+  }
+
+ private:
+  struct Chunk {
+    Chunk(const uint8_t* m, uint64_t a, uint64_t b) : map(m), lo(a), hi(b) {}
+    const uint8_t* map;
+    uint64_t lo, hi;  // bytes of the chunk some expected read covers
+    std::atomic<uint64_t> left{0};
+  };
+  template <class F>
+  static void for_chunks(int32_t file, uint64_t lo, uint64_t hi, const F& f) {
+    for (uint64_t k = lo / kDropChunkBytes; k * kDropChunkBytes < hi; ++k) {
+      const uint64_t a = std::max(lo, k * kDropChunkBytes), b = std::min(hi, (k + 1) * kDropChunkBytes);
+      f((uint64_t(uint32_t(file)) << 44) | k, a, b);
+    }
+  }
+  std::unordered_map<uint64_t, size_t> index_;
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+};
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -183,7 +238,9 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       unit_bytes += checks[i].unit.length;
     }
     if (verify == VerifyMode::kFull) {
-      std::vector<std::string> bad_units = check_checksum_units(source, my_units, io_threads);
+      // Pages stay mapped: this rank is the unit's main reader and its copy step reads them next
+      // (faulting them in again would slow the load down); the copy step drops them as it finishes each.
+      std::vector<std::string> bad_units = check_checksum_units(source, my_units, io_threads, /*drop_pages=*/false);
       std::string uerr;
       for (size_t i = 0; i < bad_units.size() && i < 4; ++i) uerr += (i ? "; " : "") + bad_units[i];
       if (bad_units.size() > 4) uerr += "; ... (" + std::to_string(bad_units.size()) + " units fail)";
@@ -315,6 +372,12 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     });
     return chk->finish();
   };
+  // A fragment's bytes in its file: [byte_base, byte_base + span).
+  auto span_end = [&](const Fragment& f) {
+    int64_t last = 0;
+    for (int d = 0; d < f.box.ndim; ++d) last += (f.box.len[d] - 1) * f.src_strides[d];
+    return f.byte_base + uint64_t(last + 1) * dtype_size(f.src_dtype);
+  };
   // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
   // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's
   // page faults).
@@ -440,6 +503,14 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         m.dst = staging + m.off;
       }
     }
+    // Every fragment read out of the mapping is read once: in the read step when it is packed,
+    // else by its copy task.
+    MappedChunkDrops drops;
+    for (const Mine& m : mine)
+      if (m.src) {
+        const Fragment& f = plan.fragments[m.frag];
+        drops.expect(f.file, m.src - f.byte_base, f.byte_base, span_end(f));
+      }
     bool any_direct = false;
     for (const Mine& m : mine) any_direct |= m.direct;
     // Read (+ verify) on the pool.
@@ -461,11 +532,15 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
             std::memcpy(m.dst + at, m.src + at, n);
           });
           if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
+          drops.done(f.file, f.byte_base, span_end(f));
           nverified.fetch_add(1);
           nverified_bytes.fetch_add(f.bytes());
           return;
         }
-        if (m.dst) pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
+        if (m.dst) {
+          pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
+          drops.done(f.file, f.byte_base, span_end(f));
+        }
         return;
       }
       if (m.direct || dense(f.box, f.src_strides)) {
@@ -558,9 +633,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     for (size_t k = 0; k < copies.size(); ++k) (copies[k].local ? to_live : to_slots).push_back(k);
     std::string cerr = parallel_for(to_slots.size(), opt.io_threads, [&](size_t k) { do_copy(copies[to_slots[k]]); });
     if (!cerr.empty()) fail(ErrorCode::kInternal, prefix(comm), "packing sends failed: ", cerr);
-    // Local copy tasks: the copies of one fragment out of the file mapping form one task that
-    // first checks the fragment's checksum (deferred from the read step), then copies it to each
-    // of its deliveries; every other local copy is a task of its own.
+    // Local copy tasks: the copies of one fragment out of the file mapping form one task (which
+    // first checks the fragment's checksum where the read step deferred it, slab by slab as it
+    // copies, and drops the fragment's pages from the mapping at the end); every other local copy
+    // is a task of its own.
     std::vector<char> check_in_copy(hi - lo, 0);
     for (const Mine& m : mine)
       if (m.src && !m.dst && m.verify) check_in_copy[m.frag - lo] = 1;
@@ -568,7 +644,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     std::vector<Task> tasks;
     for (size_t k = 0; k < to_live.size(); ++k) {
       const Copy& c = copies[to_live[k]];
-      if (c.src_strided && !tasks.empty() && tasks.back().check &&
+      if (c.src_strided && !tasks.empty() && copies[to_live[tasks.back().first]].src_strided &&
           copies[to_live[tasks.back().first]].frag == c.frag) {
         ++tasks.back().count;
         continue;
@@ -613,11 +689,14 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
           const Copy& c = copies[to_live[task.first]];
           const Fragment& f = plan.fragments[c.frag];
           check_and_copy(c, f, task.first, task.count);
+          drops.done(f.file, f.byte_base, span_end(f));
           nverified.fetch_add(1);
           nverified_bytes.fetch_add(f.bytes());
           return;
         }
         for (size_t k = task.first; k < task.first + task.count; ++k) do_copy(copies[to_live[k]]);
+        const Copy& c = copies[to_live[task.first]];
+        if (c.src_strided) drops.done(plan.fragments[c.frag].file, plan.fragments[c.frag].byte_base, span_end(plan.fragments[c.frag]));
       });
     });
     auto ta = Clock::now();

@@ -77,6 +77,13 @@ MappedFile::MappedFile(const std::string& path) {
 #endif
 }
 
+void drop_mapped_pages(const uint8_t* p, uint64_t bytes) {
+  static const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), size_t(end - begin), MADV_DONTNEED);
+}
+
 MappedFile::~MappedFile() {
   if (data_) ::munmap(data_, size_t(size_));
 }

@@ -116,6 +116,14 @@ class MappedFile {
   uint64_t size_ = 0;
 };
 
+/// Drops this process's page mappings of the whole pages inside [p, p + bytes) of a MappedFile
+/// (madvise MADV_DONTNEED; pages cut by either end stay mapped). The page cache keeps the pages
+/// and the mapping stays valid: a later touch faults them in again. Loads call it on source bytes
+/// they are done with, so the mapped part of a rank's RSS is what its copies are reading now, not
+/// every file page it has read (a 2 GB load's RSS would otherwise grow by the bytes it reads).
+/// Advisory: does nothing where madvise fails.
+void drop_mapped_pages(const uint8_t* p, uint64_t bytes);
+
 /// Mappings of a fixed list of files, each made on first use (thread-safe) and kept until the set
 /// is destroyed. get() returns nullptr where a file cannot be mapped (the caller then reads).
 class MappedFileSet {

@@ -58,7 +58,9 @@ class CheckpointReader {
   /// A read-only mapping of the whole of file `file` (the same bytes read() returns), or nullptr
   /// where this reader has none; then executors use read(). Valid while the reader lives. Callers
   /// touch only ranges the pre-flight checked against file_size() (a byte past the end of a
-  /// mapped file is SIGBUS, not an error).
+  /// mapped file is SIGBUS, not an error). Loads drop their page mappings of bytes they have
+  /// copied (io::drop_mapped_pages; a later touch faults the pages in again), so a reader kept
+  /// open after a load does not hold the checkpoint in the process's RSS.
   virtual const uint8_t* mapped(int32_t file) const { return nullptr; }
   /// True when the format stores a checksum for exactly this byte range (a native piece, a
   /// DeepSpeed zip record).
@@ -94,9 +96,12 @@ struct OpenOptions {
 /// enough, else with positioned reads) and checks it with verify_range, on up to `threads`
 /// threads. Returns the problems (a mismatch naming file and bytes, a short or missing file),
 /// sorted and without repeats; empty when every unit passes. Used by a verify="full" load's
-/// pre-flight and by `convert --verify full`.
+/// pre-flight, by `convert --verify full` and by `reshard verify`. `drop_pages`: drop this
+/// process's mapping of each unit once it is checked (the pages stay in the page cache), so
+/// checking a large checkpoint does not leave all of it in the process's RSS; a load's pre-flight
+/// passes false, because its copy step reads the same pages next (and drops them as it goes).
 std::vector<std::string> check_checksum_units(const CheckpointReader& reader, const std::vector<ChecksumUnit>& units,
-                                              int threads);
+                                              int threads, bool drop_pages = true);
 
 /// Opens a checkpoint root or step folder of any supported format. Errors (before anything is
 /// read beyond headers): Error(kNotFound) when the path does not exist, names no step, or the

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -593,6 +594,64 @@ TEST(ReliabilityBudget, TooSmallIsAClearErrorAndTheMinimumStillLoadsBitwise) {
   EXPECT_GT(r.waves, 4);
   EXPECT_LE(r.peak_staging_bytes, kMinMemoryBudget);
   for (size_t b = 0; b < t.buffers.size(); ++b) ASSERT_EQ(ref.mem[b], small.mem[b]) << t.buffers[b].name;
+}
+
+// Resident bytes of this process's mappings of files under `dir` (the sum of their Rss lines in
+// /proc/self/smaps), and how many such mappings there are.
+std::pair<uint64_t, int> mapped_rss_under(const std::string& dir) {
+  std::ifstream in("/proc/self/smaps");
+  std::string line;
+  bool mine = false;
+  uint64_t kb = 0;
+  int n = 0;
+  while (std::getline(in, line)) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ')) {
+      mine = line.find(dir) != std::string::npos;  // a mapping's header line: "lo-hi perms ... path"
+      n += mine;
+    } else if (mine && line.rfind("Rss:", 0) == 0) {
+      kb += std::stoull(line.substr(4));
+    }
+  }
+  return {kb * 1024, n};
+}
+
+TEST(ReliabilityBudget, ALoadKeepsNoCopiedSourcePageMapped) {
+  // A load copies out of its reader's file mappings; a mapped page counts in the process's RSS
+  // for as long as the reader lives (a trainer may keep it), so each copied chunk is dropped from
+  // the mapping once copied. The reader stays open here while its mappings are measured.
+  const ModelConfig m = model(256, 1024);
+  Ckpt c("dropmap", m, "tp=2,dp=1,zero=1");
+  const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
+  // Reference: the same load through positioned reads only (the wrapper has no mappings).
+  auto plain_ck = open_checkpoint(c.root);
+  FaultReader plain(*plain_ck, -1);
+  Live ref(t);
+  load_local(plain, t, ref);
+  for (const char* v : {"free", "full", "off"}) {
+    SCOPED_TRACE(v);
+    auto ck = open_checkpoint(c.root);
+    Live live(t);
+    LoadOptions o;
+    o.verify = v;
+    const LoadReport r = load_local(*ck, t, live, o);
+    for (size_t b = 0; b < t.buffers.size(); ++b) ASSERT_EQ(ref.mem[b], live.mem[b]) << t.buffers[b].name;
+    ASSERT_GT(r.bytes_read, uint64_t(16) << 20);
+    auto [rss, maps] = mapped_rss_under(c.root);
+    EXPECT_EQ(maps, 2) << "both rank files are read through their mappings";
+    EXPECT_LT(rss, uint64_t(1) << 20) << "of " << r.bytes_read << " bytes copied";
+  }
+  // The measure sees mapped pages: a full check that keeps its pages mapped leaves most of the
+  // files resident in this process; the default drops them as it goes.
+  for (bool drop : {false, true}) {
+    auto ck = open_checkpoint(c.root);
+    const std::vector<ChecksumUnit> units = ck->checksum_units();
+    uint64_t bytes = 0;
+    for (const ChecksumUnit& u : units) bytes += u.length;
+    EXPECT_TRUE(check_checksum_units(*ck, units, 2, drop).empty());
+    const uint64_t rss = mapped_rss_under(c.root).first;
+    if (drop) EXPECT_LT(rss, uint64_t(1) << 20);
+    else EXPECT_GT(rss, bytes / 2);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
