@@ -137,6 +137,12 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   else if (options.verify == "free") eo.verify = VerifyMode::kFree;
   else if (options.verify == "full") eo.verify = VerifyMode::kFull;
   else fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off, free or full");
+  // Whatever the load leaves mapped (see CheckpointReader::drop_mapped_pages) is dropped when it
+  // ends, also when it fails: a reader kept open holds no checkpoint pages in this process's RSS.
+  struct DropMappings {
+    const CheckpointReader& r;
+    ~DropMappings() { r.drop_mapped_pages(); }
+  } drop_mappings{ckpt};
   ExecStats st = execute_plan(plan, target, ckpt, buffers, comm, eo);
 
   LoadReport filled = assemble_load_report(plan, target, ckpt, st, st.peak_staging_bytes,

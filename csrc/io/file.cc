@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cerrno>
 #include <cstdio>
@@ -78,9 +79,10 @@ MappedFile::MappedFile(const std::string& path) {
 }
 
 void drop_mapped_pages(const uint8_t* p, uint64_t bytes) {
+  if (bytes == 0) return;
   static const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) / page * page;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), size_t(end - begin), MADV_DONTNEED);
 }
 
@@ -91,6 +93,7 @@ MappedFile::~MappedFile() {
 struct MappedFileSet::Slot {
   std::once_flag once;
   std::unique_ptr<MappedFile> map;
+  std::atomic<const MappedFile*> ready{nullptr};  // map, once made (read by drop_all)
 };
 
 MappedFileSet::MappedFileSet(std::vector<std::string> paths)
@@ -107,8 +110,14 @@ const MappedFile* MappedFileSet::get(size_t i) const {
     } catch (const Error&) {
       s.map.reset();  // missing or unmappable: read() reports it precisely
     }
+    s.ready.store(s.map.get(), std::memory_order_release);
   });
   return s.map.get();
+}
+
+void MappedFileSet::drop_all() const {
+  for (size_t i = 0; i < paths_.size(); ++i)
+    if (const MappedFile* m = slots_[i].ready.load(std::memory_order_acquire)) drop_mapped_pages(m->data(), m->size());
 }
 
 File File::create(const std::string& path) {

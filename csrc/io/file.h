@@ -116,12 +116,13 @@ class MappedFile {
   uint64_t size_ = 0;
 };
 
-/// Drops this process's page mappings of the whole pages inside [p, p + bytes) of a MappedFile
-/// (madvise MADV_DONTNEED; pages cut by either end stay mapped). The page cache keeps the pages
-/// and the mapping stays valid: a later touch faults them in again. Loads call it on source bytes
-/// they are done with, so the mapped part of a rank's RSS is what its copies are reading now, not
-/// every file page it has read (a 2 GB load's RSS would otherwise grow by the bytes it reads).
-/// Advisory: does nothing where madvise fails.
+/// Drops this process's page mappings of the pages holding [p, p + bytes) of a MappedFile
+/// (madvise MADV_DONTNEED). The page cache keeps the pages and the mapping stays valid: a later
+/// touch, by any thread, faults them in again (so dropping a page another copy still reads costs
+/// time, never correctness). Loads call it on source bytes they are done with, so the mapped part
+/// of a rank's RSS is what its copies are reading now, not every file page it has read (a 2 GB
+/// load's RSS would otherwise grow by the bytes it reads). Advisory: nothing happens where
+/// madvise fails.
 void drop_mapped_pages(const uint8_t* p, uint64_t bytes);
 
 /// Mappings of a fixed list of files, each made on first use (thread-safe) and kept until the set
@@ -131,6 +132,8 @@ class MappedFileSet {
   explicit MappedFileSet(std::vector<std::string> paths);
   ~MappedFileSet();
   const MappedFile* get(size_t i) const;
+  /// drop_mapped_pages over every file mapped so far (thread-safe; the mappings stay valid).
+  void drop_all() const;
 
  private:
   std::vector<std::string> paths_;

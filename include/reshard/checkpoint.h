@@ -62,6 +62,11 @@ class CheckpointReader {
   /// copied (io::drop_mapped_pages; a later touch faults the pages in again), so a reader kept
   /// open after a load does not hold the checkpoint in the process's RSS.
   virtual const uint8_t* mapped(int32_t file) const { return nullptr; }
+  /// Drops this process's page mappings of every file mapped so far (the pages stay in the page
+  /// cache; the mappings stay valid and a later touch maps them again). A load calls it when it
+  /// ends, for what its own per-chunk drops left: pages another rank copied out of a unit this
+  /// rank checked (verify="full"), pages at wave boundaries.
+  virtual void drop_mapped_pages() const {}
   /// True when the format stores a checksum for exactly this byte range (a native piece, a
   /// DeepSpeed zip record).
   virtual bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const { return false; }

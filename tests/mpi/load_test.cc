@@ -430,5 +430,39 @@ TEST(MpiLoad, FullVerifyChecksPiecesCutBetweenRanksBeforeAnyWrite) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+TEST(MpiLoad, NoSourcePageStaysMappedAfterALoad) {
+  // A rank's copies drop each 2 MiB chunk of a file mapping once done with it, and the load drops
+  // what is left when it ends: pages of a unit this rank checked (verify="full") that another rank
+  // copied, pages at wave boundaries. A reader kept open must hold no checkpoint page in RSS.
+  Communicator& comm = world();
+  const int K = comm.size();
+  std::string dir = shared_dir();
+  const std::string root = dir + "/ckpt";
+  ModelConfig m = gqa_model();
+  m.hidden = 256;
+  m.ffn = 1024;
+  if (comm.rank() == 0) synth_checkpoint(root, m, Topology::parse("tp=1,pp=1,dp=1,zero=1"), 17);
+  comm.barrier();
+  auto ckpt = open_checkpoint(root);
+  const std::string topo = K % 2 == 0 ? "tp=2,pp=1,dp=" + std::to_string(K / 2) + ",zero=1"
+                                      : "tp=1,pp=1,dp=" + std::to_string(K) + ",zero=1";
+  Layout target = derive_layout(m, Topology::parse(topo));
+  for (const char* verify : {"full", "free"})
+    for (uint64_t budget : {uint64_t(1) << 30, uint64_t(256) << 10}) {
+      SCOPED_TRACE(std::string(verify) + " budget " + std::to_string(budget) + " " + topo);
+      RankLive live(target, comm.rank());
+      LoadOptions lo;
+      lo.verify = verify;
+      lo.plan.memory_budget = budget;
+      const LoadReport r = load(*ckpt, target, live.ptrs(), comm, lo);
+      EXPECT_GT(r.bytes_read, uint64_t(4) << 20);
+      const auto [rss, maps] = testing::mapped_rss_under(root);
+      EXPECT_GE(maps, 1) << "the rank file was read through its mapping";
+      EXPECT_EQ(rss, 0u) << "bytes of the checkpoint still mapped on rank " << comm.rank();
+    }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace reshard

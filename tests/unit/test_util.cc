@@ -2,13 +2,32 @@
 
 #include <sys/stat.h>
 
+#include <cctype>
 #include <chrono>
+#include <fstream>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <vector>
 
 namespace reshard::testing {
+
+std::pair<uint64_t, int> mapped_rss_under(const std::string& dir) {
+  std::ifstream in("/proc/self/smaps");
+  std::string line;
+  bool mine = false;
+  uint64_t kb = 0;
+  int n = 0;
+  while (std::getline(in, line)) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ')) {
+      mine = line.find(dir) != std::string::npos;  // a mapping's header line: "lo-hi perms ... path"
+      n += mine;
+    } else if (mine && line.rfind("Rss:", 0) == 0) {
+      kb += std::stoull(line.substr(4));
+    }
+  }
+  return {kb * 1024, n};
+}
 
 uint64_t test_seed(const char* test_name) {
   uint64_t seed;

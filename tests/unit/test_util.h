@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace reshard::testing {
 
@@ -19,5 +20,9 @@ std::string make_temp_dir(const std::string& prefix);
 /// Inode of ROOT/latest (0 when absent): a save that commits replaces it by rename, so a change
 /// tells a kill-during-save test that a save has completed.
 uint64_t latest_inode(const std::string& root);
+
+/// Resident bytes of this process's mappings of files whose path contains `dir` (the sum of their
+/// Rss lines in /proc/self/smaps), and how many such mappings there are.
+std::pair<uint64_t, int> mapped_rss_under(const std::string& dir);
 
 }  // namespace reshard::testing

@@ -20,6 +20,7 @@
 #include "formats/deepspeed/deepspeed_reader.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -158,10 +159,17 @@ class DeepSpeedReader final : public CheckpointReader {
   }
   const uint8_t* mapped(int32_t file) const override {
     if (file < 0 || size_t(file) >= fds_.size()) return nullptr;
-    std::call_once(maps_once_, [&] { maps_ = std::make_unique<io::MappedFileSet>(source_.files); });
+    std::call_once(maps_once_, [&] {
+      maps_ = std::make_unique<io::MappedFileSet>(source_.files);
+      maps_made_.store(true, std::memory_order_release);
+    });
     const io::MappedFile* m = maps_->get(size_t(file));
     return m ? m->data() : nullptr;
+  }  void drop_mapped_pages() const override {
+    // maps_ is made once (call_once) by the first mapped(); nothing to drop before that.
+    if (maps_made_.load(std::memory_order_acquire)) maps_->drop_all();
   }
+
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= fds_.size())
       fail(ErrorCode::kNotFound, "DeepSpeed checkpoint ", dir_, ": no file with index ", file);
@@ -214,6 +222,7 @@ class DeepSpeedReader final : public CheckpointReader {
   std::string missing_;  // missing files, comma-separated
   mutable std::once_flag maps_once_;
   mutable std::unique_ptr<io::MappedFileSet> maps_;
+  mutable std::atomic<bool> maps_made_{false};
 };
 
 struct Opened {

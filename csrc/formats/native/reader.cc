@@ -44,10 +44,17 @@ class NativeReader final : public CheckpointReader {
 
   const uint8_t* mapped(int32_t file) const override {
     if (file < 0 || size_t(file) >= src_.files.size() || missing_[file]) return nullptr;
-    std::call_once(maps_once_, [&] { maps_ = std::make_unique<io::MappedFileSet>(src_.files); });
+    std::call_once(maps_once_, [&] {
+      maps_ = std::make_unique<io::MappedFileSet>(src_.files);
+      maps_made_.store(true, std::memory_order_release);
+    });
     const io::MappedFile* m = maps_->get(size_t(file));
     return m ? m->data() : nullptr;
+  }  void drop_mapped_pages() const override {
+    // maps_ is made once (call_once) by the first mapped(); nothing to drop before that.
+    if (maps_made_.load(std::memory_order_acquire)) maps_->drop_all();
   }
+
 
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= src_.files.size())
@@ -252,6 +259,7 @@ class NativeReader final : public CheckpointReader {
   mutable std::vector<std::unique_ptr<io::File>> handles_;
   mutable std::once_flag maps_once_;
   mutable std::unique_ptr<io::MappedFileSet> maps_;
+  mutable std::atomic<bool> maps_made_{false};
 };
 
 }  // namespace
