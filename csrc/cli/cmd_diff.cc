@@ -234,6 +234,27 @@ Compared compare(const std::string& name, const std::string& state, const Held& 
     c.bitwise = c.ok = true;
     return c;
   }
+  // A checkpoint's values are held as fp32 (16-bit weights widened exactly), a state dict's in its
+  // file's dtype: a 16-bit side is widened the same way, so identical values compare bitwise.
+  auto narrow16 = [](DType t) { return t == DType::BF16 || t == DType::F16; };
+  if ((a.dtype == DType::F32 && narrow16(b.dtype)) || (b.dtype == DType::F32 && narrow16(a.dtype))) {
+    const Held& wide = a.dtype == DType::F32 ? a : b;
+    const Held& narrow = a.dtype == DType::F32 ? b : a;
+    constexpr int64_t kChunk = 1 << 16;
+    std::vector<float> w(kChunk);
+    bool same = true;
+    for (int64_t i = 0; same && i < n; i += kChunk) {
+      const int64_t k = std::min(kChunk, n - i);
+      convert_elements(narrow.data.data() + i * dtype_size(narrow.dtype), narrow.dtype, w.data(), DType::F32, size_t(k));
+      same = std::memcmp(w.data(), wide.data.data() + i * sizeof(float), size_t(k) * sizeof(float)) == 0;
+    }
+    if (same) {
+      c.bitwise = c.ok = true;
+      c.note += std::string(c.note.empty() ? "" : "; ") + dtype_name(a.dtype) + " vs " + dtype_name(b.dtype) +
+                ", compared widened to fp32";
+      return c;
+    }
+  }
   c.max_abs_diff = max_abs_diff(a.data.data(), a.dtype, b.data.data(), b.dtype, n);
   c.ok = c.max_abs_diff <= atol;
   if (a.dtype != b.dtype) c.note += std::string(c.note.empty() ? "" : "; ") + dtype_name(a.dtype) + " vs " + dtype_name(b.dtype);

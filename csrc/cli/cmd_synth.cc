@@ -28,7 +28,10 @@ Command synth_command() {
     s->add_option("OUT", a->out, "Checkpoint root to write (created; `latest` names the new step)")->required();
     s->add_option("--model", a->model, "Model YAML (path or name under configs/models)")->required();
     s->add_option("--layout", a->layout, "Layout, e.g. tp=2,pp=2,dp=2,zero=1")->required();
-    s->add_option("--seed", a->seed, "Seed of the values (default 0)");
+    s->add_option("--seed", a->seed, "Seed of the values (default 0)")
+        ->check(CLI::Validator(
+            [](std::string& v) { return v.find('-') == std::string::npos ? std::string() : "must be >= 0, got " + v; },
+            "SEED"));
     s->add_option("--step", a->step, "Step folder name (default step-<iteration>, iteration = 1 + seed % 1000)");
     return s;
   };

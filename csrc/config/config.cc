@@ -1,7 +1,9 @@
 #include "reshard/config.h"
 
+#include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
 
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -12,6 +14,9 @@ namespace reshard {
 namespace {
 
 std::string read_text(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    fail(ErrorCode::kInvalidArgument, "config file ", path, " is a folder; give the path of a YAML file");
   std::ifstream in(path);
   if (!in) fail(ErrorCode::kNotFound, "cannot open config file ", path);
   std::stringstream ss;
@@ -34,16 +39,25 @@ T get(const YAML::Node& n, const std::string& key, const std::string& origin, T 
   const YAML::Node v = n[key];
   if (!v) return dflt;
   try {
+    if (!v.IsScalar()) throw YAML::BadConversion(v.Mark());
     return v.as<T>();
   } catch (const YAML::Exception&) {
     fail(ErrorCode::kInvalidArgument, origin, ": field ", key, ": cannot read '", YAML::Dump(v), "' as the expected type");
   }
 }
 
+// `n` (the field `where`, "" at the top level) must be a mapping whose keys are names from
+// `known`, each given once (yaml-cpp keeps duplicates and reads the first silently).
 void check_keys(const YAML::Node& n, const std::set<std::string>& known, const std::string& origin,
                 const std::string& where) {
+  const std::string field = where.empty() ? "the top level" : "field " + where.substr(0, where.size() - 1);
+  if (!n.IsMap()) fail(ErrorCode::kInvalidArgument, origin, ": ", field, " must be a mapping of names to values");
+  std::set<std::string> seen;
   for (auto it = n.begin(); it != n.end(); ++it) {
+    if (!it->first.IsScalar())
+      fail(ErrorCode::kInvalidArgument, origin, ": a key under ", field, " is not a name: ", YAML::Dump(it->first));
     std::string k = it->first.as<std::string>();
+    if (!seen.insert(k).second) fail(ErrorCode::kInvalidArgument, origin, ": field '", where, k, "' is given twice");
     if (!known.count(k)) {
       std::string list;
       for (const auto& x : known) list += (list.empty() ? "" : ", ") + x;
@@ -149,11 +163,24 @@ ResumeConfig load_resume_config(const std::string& path) {
       fail(ErrorCode::kInvalidArgument, path, ": field policies.replicas: ", e.what());
     }
     rc.plan.replica_atol = get<double>(p, "replica_atol", path, 0.0);
-    if (rc.plan.replica_atol < 0) fail(ErrorCode::kInvalidArgument, path, ": field policies.replica_atol must be >= 0");
+    if (!(rc.plan.replica_atol >= 0))
+      fail(ErrorCode::kInvalidArgument, path, ": field policies.replica_atol must be a number >= 0, got ", rc.plan.replica_atol);
     rc.plan.strict_missing = get<bool>(p, "strict_missing", path, true);
     rc.plan.strict_unexpected = get<bool>(p, "strict_unexpected", path, true);
-    if (p["memory_budget_gib"]) rc.plan.memory_budget = uint64_t(get<double>(p, "memory_budget_gib", path, 1.0) * double(1ull << 30));
-    rc.plan.memory_budget = get<uint64_t>(p, "memory_budget_bytes", path, rc.plan.memory_budget);
+    if (p["memory_budget_gib"] && p["memory_budget_bytes"])
+      fail(ErrorCode::kInvalidArgument, path, ": fields policies.memory_budget_gib and policies.memory_budget_bytes are ",
+           "both given; give one");
+    if (p["memory_budget_gib"]) {
+      const double gib = get<double>(p, "memory_budget_gib", path, 1.0);
+      if (!(gib > 0) || !std::isfinite(gib) || gib >= double(1ull << 34))
+        fail(ErrorCode::kInvalidArgument, path, ": field policies.memory_budget_gib must be a positive number of GiB, got ", gib);
+      rc.plan.memory_budget = uint64_t(gib * double(1ull << 30));
+    }
+    if (p["memory_budget_bytes"]) {
+      const int64_t b = get<int64_t>(p, "memory_budget_bytes", path, 0);
+      if (b <= 0) fail(ErrorCode::kInvalidArgument, path, ": field policies.memory_budget_bytes must be positive, got ", b);
+      rc.plan.memory_budget = uint64_t(b);
+    }
     rc.plan.dedup = get<bool>(p, "dedup", path, true);
     rc.plan.compare_replicas = get<bool>(p, "compare_replicas", path, true);
     rc.plan.weights_from_master = get<bool>(p, "weights_from_master", path, true);

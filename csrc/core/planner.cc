@@ -138,6 +138,9 @@ uint64_t mix(uint64_t h, uint64_t v) {
 
 bool shapes_compatible(const LogicalArray& s, const LogicalArray& t) {
   if (s.ndim != t.ndim) return false;
+  // Vocab tensors: the real rows (the model's vocab) must agree, even where the padded shapes do;
+  // otherwise padding rows would load as vocab rows, or vocab rows be dropped as padding.
+  if (s.real_rows >= 0 && t.real_rows >= 0 && s.real_rows != t.real_rows) return false;
   for (int d = 0; d < s.ndim; ++d) {
     if (s.shape[d] == t.shape[d]) continue;
     if (d == 0 && s.real_rows >= 0 && s.real_rows == t.real_rows) continue;  // vocab padding rows
@@ -309,8 +312,12 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
            "merging by sum and splitting by division across a tp change (", S.topo.tp, "->", target.topo.tp,
            ") is not implemented, and copying it as a replica would be wrong");
     if (!shapes_compatible(sa, ta)) {
-      mismatched.push_back("tensor " + ta.tensor + " (" + state_kind_name(ta.state) + "): checkpoint shape " +
-                           shape_str(sa) + " vs model shape " + shape_str(ta));
+      std::string what = "tensor " + ta.tensor + " (" + state_kind_name(ta.state) + "): checkpoint shape " +
+                         shape_str(sa) + " vs model shape " + shape_str(ta);
+      if (sa.real_rows >= 0 && ta.real_rows >= 0 && sa.real_rows != ta.real_rows)
+        what += " (vocab: " + std::to_string(sa.real_rows) + " real rows in the checkpoint, " +
+                std::to_string(ta.real_rows) + " in the model)";
+      mismatched.push_back(what);
       continue;
     }
     src_of[i] = it->second;

@@ -207,25 +207,56 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << e.what();
       }
     }
-    for (size_t b = 0; b < target.buffers.size(); ++b)
-      if (target.buffers[b].rank == me && buffers[b] == nullptr && target.buffers[b].numel > 0)
-        if (nprob++ < 4) problems << (nprob > 1 ? "; " : "") << "no memory given for target buffer " << target.buffers[b].name;
+    // The caller's memory: every buffer of this rank given, and no two overlapping (two buffers in
+    // one place would load one's values over the other's, silently).
+    std::ostringstream arg_problems;
+    int narg = 0;
+    std::vector<std::pair<uintptr_t, size_t>> spans;  // (first byte, buffer)
+    for (size_t b = 0; b < target.buffers.size(); ++b) {
+      const Buffer& tb = target.buffers[b];
+      if (tb.rank != me || tb.numel == 0) continue;
+      if (buffers[b] == nullptr) {
+        if (narg++ < 4) arg_problems << (narg > 1 ? "; " : "") << "no memory given for target buffer " << tb.name;
+        continue;
+      }
+      spans.push_back({reinterpret_cast<uintptr_t>(buffers[b]), b});
+    }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i) {
+      const Buffer& prev = target.buffers[spans[i - 1].second];
+      const uintptr_t prev_end = spans[i - 1].first + uintptr_t(prev.numel) * dtype_size(prev.dtype);
+      if (spans[i].first < prev_end && narg++ < 4)
+        arg_problems << (narg > 1 ? "; " : "") << "target buffers " << prev.name << " and "
+                     << target.buffers[spans[i].second].name << " overlap in memory (" << (prev_end - spans[i].first)
+                     << " bytes): each buffer needs memory of its own";
+    }
     {
-      const std::string h = std::to_string(plan.hash()) + "/verify=" + std::to_string(int(verify));
-      const std::string mine = nprob ? prefix(comm) + problems.str() : "";
+      // Same plan, checksum mode and replica policy everywhere (a policy can leave the plan
+      // unchanged and still change what is loaded).
+      std::ostringstream hs;
+      hs << plan.hash() << "/verify=" << int(verify) << "/replicas=" << int(policy) << "/atol=" << atol;
+      const std::string h = hs.str();
+      // Status: "" or 'A' (the caller's arguments) / 'D' (the files) + the problems.
+      std::string mine;
+      if (narg) mine = "A" + prefix(comm) + arg_problems.str();
+      else if (nprob) mine = "D" + prefix(comm) + problems.str();
       auto all = comm.all_gather_strings(h + '\n' + mine);
       std::string msg;
       int nbad = 0;
+      bool args = false;
       for (int r = 0; r < W; ++r) {
         const std::string& a = all[size_t(r)];
         const size_t nl = a.find('\n');
         const std::string theirs = a.substr(0, nl);
         if (theirs != h)
-          fail(ErrorCode::kInternal, prefix(comm), "plan hash or checksum mode differs between ranks (rank ", r,
-               " has ", theirs, ", this rank ", h, "): ranks were given different inputs");
-        if (nl != std::string::npos && nl + 1 < a.size() && nbad++ < 8) msg += (msg.empty() ? "" : "; ") + a.substr(nl + 1);
+          fail(ErrorCode::kInternal, prefix(comm), "plan hash, checksum mode or replica policy differs between ranks (rank ",
+               r, " has ", theirs, ", this rank ", h, "): ranks were given different inputs");
+        if (nl == std::string::npos || nl + 1 >= a.size()) continue;
+        args |= a[nl + 1] == 'A';
+        if (nbad++ < 8) msg += (msg.empty() ? "" : "; ") + a.substr(nl + 2);
       }
       if (nbad > 8) msg += "; ... (" + std::to_string(nbad) + " ranks reported problems)";
+      if (nbad && args) fail(ErrorCode::kInvalidArgument, "pre-flight check failed before any live tensor was written: ", msg);
       if (nbad) fail(ErrorCode::kDataLoss, "pre-flight check failed before any live tensor was written: ", msg);
     }
 

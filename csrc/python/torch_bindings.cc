@@ -6,6 +6,8 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <tuple>
 #include <type_traits>
 
 #include "python/torch_comm.h"
@@ -77,14 +79,51 @@ py::dict state_to_py(const NonTensorState& s) {
   return d;
 }
 
-NonTensorState state_from_py(const py::dict& d) {
+// save()'s `state`: every key known and of its type, counters non-negative, per-rank blobs for
+// ranks of the layout (a typo or a wrong type would otherwise be saved as "unknown" silently).
+NonTensorState state_from_py(const py::dict& d, int world_size) {
   NonTensorState s;
-  if (d.contains("iteration")) s.iteration = d["iteration"].cast<int64_t>();
-  if (d.contains("consumed_samples")) s.consumed_samples = d["consumed_samples"].cast<int64_t>();
-  if (d.contains("step")) s.step = d["step"].cast<int64_t>();
-  if (d.contains("json")) s.json = d["json"].cast<std::string>();
-  if (d.contains("per_rank"))
-    for (auto item : d["per_rank"].cast<py::dict>()) s.per_rank[item.first.cast<int>()] = item.second.cast<std::string>();
+  static const char* const kKeys[] = {"iteration", "consumed_samples", "step", "json", "per_rank"};
+  for (auto item : d) {
+    const std::string k = py::str(item.first).cast<std::string>();
+    if (std::find_if(std::begin(kKeys), std::end(kKeys), [&](const char* x) { return k == x; }) == std::end(kKeys))
+      fail(ErrorCode::kInvalidArgument, "save: unknown state key '", k,
+           "' (known: iteration, consumed_samples, step, json, per_rank)");
+  }
+  auto counter = [&](const char* key, int64_t& out) {
+    if (!d.contains(key)) return;
+    py::object v = d[key];
+    if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v))
+      fail(ErrorCode::kInvalidArgument, "save: state '", key, "' must be an int, got ", py::repr(v).cast<std::string>());
+    try {
+      out = v.cast<int64_t>();
+    } catch (const py::cast_error&) {
+      fail(ErrorCode::kInvalidArgument, "save: state '", key, "' does not fit in 64 bits: ", py::repr(v).cast<std::string>());
+    }
+    if (out < 0) fail(ErrorCode::kInvalidArgument, "save: state '", key, "' must be >= 0, got ", out);
+  };
+  counter("iteration", s.iteration);
+  counter("consumed_samples", s.consumed_samples);
+  counter("step", s.step);
+  if (d.contains("json")) {
+    if (!py::isinstance<py::str>(d["json"]))
+      fail(ErrorCode::kInvalidArgument, "save: state 'json' must be a str holding one JSON object");
+    s.json = d["json"].cast<std::string>();
+  }
+  if (d.contains("per_rank")) {
+    if (!py::isinstance<py::dict>(d["per_rank"]))
+      fail(ErrorCode::kInvalidArgument, "save: state 'per_rank' must be a dict {rank: bytes}");
+    for (auto item : d["per_rank"].cast<py::dict>()) {
+      if (!py::isinstance<py::int_>(item.first) || !py::isinstance<py::bytes>(item.second))
+        fail(ErrorCode::kInvalidArgument, "save: state 'per_rank' must map int ranks to bytes, got ",
+             py::repr(item.first).cast<std::string>(), ": ", py::str(py::type::of(item.second)).cast<std::string>());
+      const int64_t r = item.first.cast<int64_t>();
+      if (r < 0 || r >= world_size)
+        fail(ErrorCode::kInvalidArgument, "save: state 'per_rank' names rank ", r, ", outside the layout's world size ",
+             world_size);
+      s.per_rank[int(r)] = item.second.cast<std::string>();
+    }
+  }
   return s;
 }
 
@@ -199,9 +238,11 @@ DType dtype_of(const at::Tensor& t) {
 }
 
 // Checks the tensors given for this rank's buffers and returns their data pointers (null for
-// other ranks' buffers). Raises before anything is read or written.
+// other ranks' buffers). Raises before anything is read or written. `any_device`: check only
+// (tensors on any device but meta; no pointers returned), for reshard.load's checks before its
+// first collective (CUDA tensors are loaded through host copies).
 std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<std::optional<at::Tensor>>& tensors,
-                                   const char* what) {
+                                   const char* what, bool any_device = false) {
   if (tensors.size() != L.buffers.size())
     fail(ErrorCode::kInvalidArgument, what, ": got ", tensors.size(), " tensors for a layout of ", L.buffers.size(),
          " buffers (index them like layout.buffers; None for other ranks' buffers)");
@@ -212,7 +253,10 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
     if (!tensors[i].has_value() || !tensors[i]->defined())
       fail(ErrorCode::kInvalidArgument, what, ": rank ", rank, " has no tensor for its buffer ", b.name);
     const at::Tensor& t = *tensors[i];
-    if (!t.device().is_cpu())
+    if (t.device().is_meta())
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " is on meta, which holds no data to ",
+           "load into or save from");
+    if (!any_device && !t.device().is_cpu())
       fail(ErrorCode::kUnsupported, what, ": buffer ", b.name, " is on ", t.device().str(),
            "; this build writes CPU tensors only (stage through a CPU tensor)");
     if (!t.is_contiguous())
@@ -223,8 +267,23 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
     if (t.numel() != b.numel)
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has ", t.numel(),
            " elements but the layout says ", b.numel);
-    ptrs[i] = t.data_ptr();
+    if (!any_device) ptrs[i] = t.data_ptr();
   }
+  // No two buffers in the same memory: a load would write one's values over the other's.
+  struct Span { std::string dev; uintptr_t lo, hi; size_t buf; };
+  std::vector<Span> spans;
+  for (size_t i = 0; i < L.buffers.size(); ++i) {
+    if (L.buffers[i].rank != rank || L.buffers[i].numel == 0) continue;
+    const at::Tensor& t = *tensors[i];
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back({t.device().str(), lo, lo + uintptr_t(t.numel()) * t.element_size(), i});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return std::tie(a.dev, a.lo) < std::tie(b.dev, b.lo); });
+  for (size_t k = 1; k < spans.size(); ++k)
+    if (spans[k].dev == spans[k - 1].dev && spans[k].lo < spans[k - 1].hi)
+      fail(ErrorCode::kInvalidArgument, what, ": the tensors for buffers ", L.buffers[spans[k - 1].buf].name, " and ",
+           L.buffers[spans[k].buf].name, " overlap in memory (", spans[k - 1].hi - spans[k].lo,
+           " bytes); each buffer needs memory of its own");
   return ptrs;
 }
 
@@ -444,12 +503,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("io_threads") = 4, py::arg("verify") = "free");
 
   m.def(
+      "check_buffers",
+      [](const Layout& L, int rank, const std::vector<std::optional<at::Tensor>>& tensors, const std::string& what) {
+        buffer_pointers(L, rank, tensors, what.c_str(), /*any_device=*/true);
+      },
+      py::arg("layout"), py::arg("rank"), py::arg("tensors"), py::arg("what"));
+  m.def(
+      "check_state", [](const py::dict& state, const Layout& L) { state_from_py(state, L.topo.world_size()); },
+      py::arg("state"), py::arg("layout"));
+
+  m.def(
       "save",
       [](const std::string& root, const std::string& step, const Layout& layout,
          const std::vector<std::optional<at::Tensor>>& tensors, const py::dict& state, std::shared_ptr<Communicator> comm) {
         std::vector<void*> ptrs = buffer_pointers(layout, comm->rank(), tensors, "reshard.save");
         std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
-        NonTensorState s = state_from_py(state);
+        NonTensorState s = state_from_py(state, layout.topo.world_size());
         py::gil_scoped_release nogil;
         save_native(root, step, layout, cptrs, s, *comm);
       },
@@ -467,7 +536,7 @@ PYBIND11_MODULE(_C, m) {
             if (layout.buffers[i].rank == r) ptrs[i] = pr[i];
         }
         std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
-        NonTensorState s = state_from_py(state);
+        NonTensorState s = state_from_py(state, layout.topo.world_size());
         py::gil_scoped_release nogil;
         save_native_all_ranks(root, step, layout, cptrs, s);
       },

@@ -24,6 +24,7 @@ Errors: every failure is a :class:`Error` subclass named after the C++ ErrorCode
 from __future__ import annotations
 
 import json as _json
+import operator
 import os as _os
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
@@ -117,7 +118,9 @@ def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[fl
         raise InvalidArgument(f"allocate needs a Layout (reshard.derive_layout(model, topology) or "
                               f"checkpoint.layout), not {type(layout).__name__} {layout!r:.80}")
     world = parse_topology(layout.topology)["world_size"]
-    if not 0 <= int(rank) < world:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise InvalidArgument(f"allocate: rank must be an int, got {rank!r}")
+    if not 0 <= rank < world:
         raise InvalidArgument(f"rank {rank} is outside layout {layout.topology} (world size {world})")
     out = {}
     for b in layout.buffers:
@@ -156,7 +159,8 @@ def open_checkpoint(path: str, *, step: Optional[Union[str, int]] = None, model:
 
     ``step``: None = the step ``latest`` names; else a folder name ("global_step20", "step-20") or
     number. A missing step is an error, never a fallback. ``model``: a model YAML file for formats
-    that do not record the model (DeepSpeed).
+    that do not record the model (DeepSpeed); native checkpoints record theirs, and a ``model``
+    given for one is not used (the checkpoint's notes say so).
 
     Raises NotFound (path, step), InvalidArgument (a file, an empty or unrecognised folder),
     DataLoss (corrupt metadata), Unsupported (a format or version this build cannot read).
@@ -180,9 +184,11 @@ def _policies(policies: Optional[Mapping]) -> dict:
         raise InvalidArgument(f"policies must be a dict such as {{'replicas': 'first'}}, got {policies!r}")
     p = dict(policies or {})
     if "memory_budget_gib" in p:
+        if "memory_budget_bytes" in p:
+            raise InvalidArgument("policies 'memory_budget_gib' and 'memory_budget_bytes' are both given; give one")
         gib = p.pop("memory_budget_gib")
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
-            raise InvalidArgument(f"policy 'memory_budget_gib' must be a positive number, got {gib!r}")
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < 2**34:
+            raise InvalidArgument(f"policy 'memory_budget_gib' must be a positive number of GiB, got {gib!r}")
         p["memory_budget_bytes"] = int(float(gib) * 2**30)
     for k in p:
         if k not in _POLICY_KEYS:
@@ -272,6 +278,46 @@ def _tensor_list(layout: "Layout", rank: int, tensors) -> List[Optional[torch.Te
     return out
 
 
+_ERROR_CLASSES = None
+
+
+def _agree(comm: "Communicator", err: Optional[BaseException], what: str) -> None:
+    """Collective: every rank says whether its checks before the first collective of ``what``
+    failed; if any did, every rank raises (a rank that raised alone would leave its peers waiting
+    in the next collective). The failing rank raises its own error; the others raise the first
+    failing rank's error class (InvalidArgument for errors that are not reshard's) with each failing
+    rank's message."""
+    global _ERROR_CLASSES
+    if comm.size == 1:
+        if err is not None:
+            raise err
+        return
+    mine = "" if err is None else f"{type(err).__name__}\n[rank {comm.rank}] {err}"
+    reports = [bytes(b).decode("utf-8", "replace") for b in comm.all_gather_strings(mine)]
+    bad = [r for r in reports if r]
+    if not bad:
+        return
+    if err is not None:
+        raise err
+    if _ERROR_CLASSES is None:
+        _ERROR_CLASSES = {c.__name__: c for c in (InvalidArgument, NotFound, DataLoss, Unsupported,
+                                                  FailedPrecondition, Internal)}
+    cls = _ERROR_CLASSES.get(bad[0].partition("\n")[0], InvalidArgument)
+    msgs = "; ".join(r.partition("\n")[2] for r in bad[:8]) + (f"; ... ({len(bad)} ranks)" if len(bad) > 8 else "")
+    raise cls(f"[rank {comm.rank}] {what} refused on every rank before anything was read or written, because "
+              f"{'a rank' if len(bad) == 1 else 'ranks'} failed its checks: {msgs}")
+
+
+def _check_io_threads(io_threads) -> int:
+    try:
+        n = None if isinstance(io_threads, bool) else operator.index(io_threads)
+    except TypeError:
+        n = None
+    if n is None or not 1 <= n <= 1024:
+        raise InvalidArgument(f"load option io_threads={io_threads!r} must be an int in 1..1024")
+    return n
+
+
 def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, *, comm: Optional["Communicator"] = None,
          step=None, model: Optional[str] = None, policies: Optional[Mapping] = None, io_threads: int = 4,
          verify: str = "free") -> dict:
@@ -307,31 +353,47 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     verify="full" checksum pass, replica comparisons), "read_seconds", "copy_seconds",
     "exchange_seconds", "scatter_seconds".
 
-    Raises, on every rank. Before any tensor is written: InvalidArgument (tensors that do not
-    match the layout, strictness, shapes, a verify value other than off/free/full), DataLoss
+    Raises, on every rank (each rank's own checks of its arguments, tensors and checkpoint folder
+    are agreed before the first collective, so a bad argument on one rank fails all of them
+    instead of leaving its peers waiting). Before any tensor is written: InvalidArgument (tensors
+    that do not match the layout, two tensors that overlap in memory, tensors on meta,
+    strictness, shapes, a model whose vocab differs from the checkpoint's, a verify value other
+    than off/free/full, io_threads outside 1..1024), DataLoss
     (uncovered elements, missing or short files, replicas that differ under policy "error": names
     the tensor and max |diff|; any checksum mismatch with verify="full", one in a piece sent to
     another rank with "free"), InvalidArgument (tensors on several devices), Internal (ranks given
-    different ``verify`` values, or inputs that plan differently). After live tensors were
+    different ``verify`` values or replica policies, or inputs that plan differently). After live tensors were
     partly written: FailedPrecondition ("free": a checksum mismatch
     found while a piece was copied locally, its copy then overwritten with NaN; or a peer of the
     communicator fails): they are then unusable and the trainer must abort. CUDA tensors are
     written only after the whole load succeeded, so they are never partly written.
     """
-    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
     comm = _default_comm(comm)
-    layout = _target_layout(ckpt, target)
-    tlist = _tensor_list(layout, comm.rank, tensors)
-    # Layout.buffers builds a list of every buffer of every rank on each access: read it once.
-    bufs = layout.buffers
-    devices = {t.device for i, t in enumerate(tlist) if t is not None and bufs[i]["rank"] == comm.rank}
-    if len(devices) > 1:
-        raise InvalidArgument(f"rank {comm.rank}'s tensors are on several devices ({', '.join(sorted(map(str, devices)))}); "
-                              "give all of them on one device")
-    device = next(iter(devices)) if devices else torch.device("cpu")
+    # Every check that needs no peer runs first; the ranks then agree on the outcome, so that a
+    # bad argument on one rank fails every rank instead of leaving them waiting in a collective.
+    err = None
+    try:
+        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
+        layout = _target_layout(ckpt, target)
+        tlist = _tensor_list(layout, comm.rank, tensors)
+        _C.check_buffers(layout, comm.rank, tlist, "reshard.load")
+        # Layout.buffers builds a list of every buffer of every rank on each access: read it once.
+        bufs = layout.buffers
+        devices = {t.device for i, t in enumerate(tlist) if t is not None and bufs[i]["rank"] == comm.rank}
+        if len(devices) > 1:
+            raise InvalidArgument(f"rank {comm.rank}'s tensors are on several devices "
+                                  f"({', '.join(sorted(map(str, devices)))}); give all of them on one device")
+        device = next(iter(devices)) if devices else torch.device("cpu")
+        pol = _policies(policies)
+        threads = _check_io_threads(io_threads)
+        if verify not in ("free", "full", "off"):
+            raise InvalidArgument(f"load option verify={verify!r} must be off, free or full")
+    except Exception as e:  # noqa: BLE001 - agreed across ranks, then raised
+        err = e
+    _agree(comm, err, "reshard.load")
     if device.type != "cpu" or _STAGE_CPU_TENSORS_FOR_TESTS:
-        return _load_staged(ckpt, layout, tlist, comm, device, _policies(policies), int(io_threads), str(verify))
-    return _C.load(ckpt, layout, tlist, comm, _policies(policies), int(io_threads), str(verify))
+        return _load_staged(ckpt, layout, tlist, comm, device, pol, threads, verify)
+    return _C.load(ckpt, layout, tlist, comm, pol, threads, verify)
 
 
 # Tests set this to run the staged path below with CPU tensors (the path GPU tensors take).
@@ -389,24 +451,44 @@ def save(root: str, step: str, layout: "Layout", tensors, *, state: Optional[Map
     so dp-replicated weights are written once.
 
     ``tensors``: as in :func:`load` (this rank's buffers). ``state``: ``{"iteration",
-    "consumed_samples", "step" (int), "json" (str: one JSON object: scheduler, loss scaler, ...),
-    "per_rank" {rank: bytes} (RNG, sampler)}``.
+    "consumed_samples", "step" (int >= 0), "json" (str: one JSON object: scheduler, loss scaler,
+    ...; a dict is serialised), "per_rank" {rank: bytes} (RNG, sampler; ranks of the layout)}``;
+    any other key is refused. ``step`` (the folder name): printable characters, no spaces.
 
     Raises FailedPrecondition (ranks see different filesystems, or, with more than one rank, any
     rank failed: the message names each failing rank and its error), DataLoss (one rank: the
     filesystem refused the data: no space left, read-only, an I/O error; the message names the
     path and, for a write, the byte range), InvalidArgument (bad step name, tensors that do not
-    match the layout, comm size different from the layout's world size, a path the process may
-    not write). A save that fails with an error removes its temporary folder; no step folder
+    match the layout, state keys or values of the wrong kind, comm size different from the
+    layout's world size, a path the process may not write); like load, a check that fails on one
+    rank before the first collective fails every rank. A save that fails with an error removes its temporary folder; no step folder
     appears.
     """
     comm = _default_comm(comm)
+    err = None
+    try:
+        st = _state_dict(state, layout)
+        tlist = _tensor_list(layout, comm.rank, tensors)
+        _C.check_buffers(layout, comm.rank, tlist, "reshard.save")
+    except Exception as e:  # noqa: BLE001 - agreed across ranks, then raised
+        err = e
+    _agree(comm, err, "reshard.save")
+    _C.save(str(root), str(step), layout, tlist, st, comm)
+
+
+def _state_dict(state, layout) -> dict:
+    """save()'s ``state`` with "json" given as an object serialised and per-rank blobs as bytes;
+    checked (unknown keys, types, ranks) by the extension."""
+    if state is not None and not isinstance(state, Mapping):
+        raise InvalidArgument(f"save: state must be a dict, got {type(state).__name__}")
     st = dict(state or {})
     if "json" in st and not isinstance(st["json"], str):
         st["json"] = _json.dumps(st["json"])
-    if "per_rank" in st:
-        st["per_rank"] = {int(k): bytes(v) for k, v in st["per_rank"].items()}
-    _C.save(str(root), str(step), layout, _tensor_list(layout, comm.rank, tensors), st, comm)
+    if isinstance(st.get("per_rank"), Mapping):
+        st["per_rank"] = {k: bytes(v) if isinstance(v, (bytearray, memoryview)) else v
+                          for k, v in st["per_rank"].items()}
+    _C.check_state(st, layout)
+    return st
 
 
 def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[torch.Tensor], *,
@@ -415,11 +497,7 @@ def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[tor
     tests): ``tensors`` is indexed like ``layout.buffers`` and every entry must be given. Rank
     files are written one after another; no communicator is needed. Errors as :func:`save` with
     one rank (DataLoss when the filesystem refuses the data)."""
-    st = dict(state or {})
-    if "json" in st and not isinstance(st["json"], str):
-        st["json"] = _json.dumps(st["json"])
-    if "per_rank" in st:
-        st["per_rank"] = {int(k): bytes(v) for k, v in st["per_rank"].items()}
+    st = _state_dict(state, layout)
     _C.save_all_ranks(str(root), str(step), layout, list(tensors), st)
 
 

@@ -92,6 +92,13 @@ def test_convert_checks_every_source_piece_unless_told_otherwise_and_then_warns(
     assert r.returncode == 2 and "bogus" in r.stderr
 
 
+def test_synth_refuses_a_negative_seed(tmp_path):
+    # CLI11 would read -5 into the unsigned seed as 2^64 - 5.
+    r = run("synth", tmp_path / "ck", "--model", "tiny-gpt", "--layout", "tp=1", "--seed", "-5")
+    assert r.returncode == 2 and "--seed: must be >= 0, got -5" in r.stderr, r.stderr
+    assert not (tmp_path / "ck").exists()
+
+
 def test_bad_model_file_names_field(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text("name: x\nnum_layers: 2\nhidden: 64\nheads: 6\nvocab: 100\n")

@@ -86,6 +86,13 @@ def test_safetensors_state_dict_side_and_small_difference(ckpts):
     assert "fp32 state" in r.stdout
     r = run("diff", d / "weights.safetensors", ckpts["s1"])
     assert r.returncode == 0, r.stdout + r.stderr
+    # Exact copies compare bitwise: the 16-bit file's values widened to fp32 (as the checkpoint
+    # side is held) have the same bytes; the summary counts them all.
+    n = len(weights)
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())
+    assert f"{n} equal ({n} bitwise)" in r.stdout and "BF16 vs F32, compared widened to fp32" in r.stdout, r.stdout
+    r = run("diff", ckpts["s1"], d / "master.safetensors")
+    assert f"{len(master)} equal ({len(master)} bitwise)" in r.stdout, r.stdout
     # a small perturbation is found, and --atol lets it pass
     name = "layers.1.mlp.dense_4h_to_h.weight"
     master[name] = master[name].clone()

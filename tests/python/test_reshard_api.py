@@ -261,6 +261,114 @@ def test_bad_tensors_are_invalid_argument(tmp_path):
         reshard.load(str(tmp_path), L, zeros_for(L), step=99)
 
 
+def test_tensors_that_share_memory_or_hold_none_are_refused_before_any_write(tmp_path):
+    reshard.synth_checkpoint(str(tmp_path), reshard.model_config(TINY), "tp=2,pp=1,dp=1,zero=1", 1)
+    L = reshard.derive_layout(reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1")
+    ref = zeros_for(L, fill=0.0)
+    reshard.load(str(tmp_path), L, ref)
+    names = sorted(ref)
+    a, b = names[0], names[1]
+    # The same tensor for two buffers of one dtype and size: one's values would overwrite the other's.
+    same = [(x, y) for x in names for y in names if x < y and ref[x].dtype == ref[y].dtype
+            and ref[x].numel() == ref[y].numel()]
+    x, y = same[0]
+    live = zeros_for(L, fill=0.0)
+    live[y] = live[x]
+    with pytest.raises(reshard.InvalidArgument, match=f"buffers {x} and {y} overlap in memory|buffers {y} and {x} overlap"):
+        reshard.load(str(tmp_path), L, live)
+    assert all(not t.any() for t in live.values())
+    # Overlapping views of one storage (not the same start).
+    big = torch.zeros(ref[a].numel() + ref[b].numel(), dtype=torch.float32)
+    if ref[a].dtype == ref[b].dtype == torch.float32:
+        live = zeros_for(L, fill=0.0)
+        live[a] = big[: ref[a].numel()]
+        live[b] = big[1: 1 + ref[b].numel()]
+        with pytest.raises(reshard.InvalidArgument, match="overlap in memory"):
+            reshard.load(str(tmp_path), L, live)
+        assert not big.any()
+    # Meta tensors hold no data: refused like save() refuses them, not "loaded" by a no-op copy.
+    meta = {k: torch.empty(v.numel(), dtype=v.dtype, device="meta") for k, v in ref.items()}
+    with pytest.raises(reshard.InvalidArgument, match="is on meta"):
+        reshard.load(str(tmp_path), L, meta)
+    # Adjacent views that do not overlap load like separate tensors.
+    if ref[a].dtype == ref[b].dtype == torch.float32:
+        live = zeros_for(L, fill=0.0)
+        live[a] = big[: ref[a].numel()]
+        live[b] = big[ref[a].numel():]
+        reshard.load(str(tmp_path), L, live)
+        assert torch.equal(live[a], ref[a]) and torch.equal(live[b], ref[b])
+
+
+def test_a_model_whose_vocab_differs_from_the_checkpoints_is_refused(tmp_path):
+    # Both vocabs pad to 64 rows: the shapes agree, the real rows do not (60 vs 57).
+    reshard.synth_checkpoint(str(tmp_path), reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1", 1)
+    other = reshard.model_config(dict(TINY, vocab=57))
+    assert other.padded_vocab(1) == reshard.model_config(TINY).padded_vocab(1)
+    L = reshard.derive_layout(other, "tp=1,pp=1,dp=1,zero=1")
+    live = zeros_for(L, fill=0.0)
+    with pytest.raises(reshard.InvalidArgument, match="vocab: 60 real rows in the checkpoint, 57 in the model"):
+        reshard.load(str(tmp_path), L, live)
+    assert all(not t.any() for t in live.values())
+
+
+def test_save_refuses_state_it_would_not_keep_and_bad_step_names(tmp_path):
+    m = reshard.model_config(TINY)
+    L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1", weights_on_dp0_only=True)
+    t = zeros_for(L)
+    cases = [({"consumed_sample": 5}, "unknown state key 'consumed_sample'"),
+             ({"iteration": "5"}, "state 'iteration' must be an int"),
+             ({"step": 3.5}, "state 'step' must be an int"),
+             ({"iteration": 2**70}, "does not fit in 64 bits"),
+             ({"iteration": -5}, "state 'iteration' must be >= 0"),
+             ({"per_rank": {5: b"x"}}, "names rank 5, outside the layout's world size 1"),
+             ({"per_rank": {0: "text"}}, "must map int ranks to bytes"),
+             ({"json": 5}, None)]  # an object: serialised, fine
+    for state, msg in cases:
+        if msg is None:
+            reshard.save(str(tmp_path / "ok"), "step-1", L, t, state=state)
+            continue
+        with pytest.raises(reshard.InvalidArgument, match=msg):
+            reshard.save(str(tmp_path / "bad"), "step-1", L, t, state=state)
+        assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+    for step in ("step-2 ", "step-1\n", " step-3", "step\t4"):
+        with pytest.raises(reshard.InvalidArgument, match="not allowed"):
+            reshard.save(str(tmp_path / "names"), step, L, t)
+    with pytest.raises(reshard.InvalidArgument, match="rank must be an int"):
+        reshard.allocate(L, "0")
+
+
+def test_resume_config_fields_are_checked_by_type_and_named(tmp_path):
+    base = "checkpoint: {root: /x}\ntarget: tp=1,pp=1,dp=1,zero=1\n"
+    f = tmp_path / "rc.yaml"
+    cases = [(base + "policies: {memory_budget_gib: -1}\n", "policies.memory_budget_gib must be a positive"),
+             (base + "policies: {memory_budget_gib: 0}\n", "policies.memory_budget_gib must be a positive"),
+             (base + "policies: {memory_budget_bytes: -5}\n", "policies.memory_budget_bytes must be positive"),
+             (base + "policies: {memory_budget_gib: 1, memory_budget_bytes: 65536}\n", "both given"),
+             (base + "policies: {replica_atol: .nan}\n", "replica_atol must be a number >= 0"),
+             (base + "target: tp=2\n", "field 'target' is given twice"),
+             ("checkpoint: /x\ntarget: tp=1\n", "field checkpoint must be a mapping"),
+             (base + "policies: [replicas]\n", "field policies must be a mapping"),
+             (base + "policies: first\n", "field policies must be a mapping"),
+             (base + "policies: {[a]: 1}\n", "is not a name"),
+             (base + "policies: {replicas: [first]}\n", "field replicas: cannot read")]
+    for text, msg in cases:
+        f.write_text(text)
+        with pytest.raises(reshard.InvalidArgument, match=msg) as e:
+            reshard.load_resume_config(str(f))
+        assert str(f) in str(e.value)
+    with pytest.raises(reshard.InvalidArgument, match="is a folder"):
+        reshard.load_resume_config(str(tmp_path))
+    ck = str(tmp_path / "ck")
+    reshard.synth_checkpoint(ck, reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1", 1)
+    with pytest.raises(reshard.InvalidArgument, match="both given"):
+        reshard.plan(ck, "tp=1", policies={"memory_budget_gib": 1, "memory_budget_bytes": 65536})
+    with pytest.raises(reshard.InvalidArgument, match="memory_budget_gib"):
+        reshard.plan(ck, "tp=1", policies={"memory_budget_gib": float("inf")})
+    with pytest.raises(reshard.InvalidArgument, match="io_threads"):
+        L = reshard.derive_layout(reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1")
+        reshard.load(ck, L, zeros_for(L), io_threads=None)
+
+
 def test_resume_configs():
     d = os.path.join(REPO, "configs", "resume")
     files = sorted(f for f in os.listdir(d) if f.endswith(".yaml"))
@@ -341,6 +449,26 @@ ts2 = {k: torch.full_like(v, float("nan")) for k, v in ts.items()}
 rep2 = reshard.load(sys.argv[1], L, ts2)
 assert rep2["bytes_exchanged"] == 0 and rep2["bytes_reread_on_node"] > 0, rep2
 assert all(torch.equal(ts[k], ts2[k]) for k in ts)
+# A bad argument on one rank fails every rank before anything is read or written, instead of
+# leaving the others waiting in a collective: rank 1 gives a float64 tensor for one buffer.
+ts3 = {k: torch.zeros_like(v) for k, v in ts.items()}
+k0 = sorted(ts3)[0]
+if r == 1:
+    ts3[k0] = torch.zeros(ts3[k0].numel(), dtype=torch.float64)
+try:
+    reshard.load(sys.argv[1], L, ts3)
+    raise SystemExit("no error for a float64 tensor on rank 1")
+except reshard.InvalidArgument as e:
+    assert f"buffer {k0} has dtype F64" in str(e) and (r == 1 or "[rank 1]" in str(e)), str(e)
+assert all(not t.any() for t in ts3.values()), "a refused load wrote"
+# Ranks given different replica policies (the plan can be the same): Internal on every rank.
+ts4 = {k: torch.zeros_like(v) for k, v in ts.items()}
+try:
+    reshard.load(sys.argv[1], L, ts4, policies={"replicas": "first"} if r == 0 else None)
+    raise SystemExit("no error for differing replica policies")
+except reshard.Internal as e:
+    assert "replica policy differs between ranks" in str(e), str(e)
+assert all(not t.any() for t in ts4.values()), "a refused load wrote"
 print("OK", r, flush=True)
 dist.destroy_process_group()
 '''

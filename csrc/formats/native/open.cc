@@ -59,7 +59,23 @@ bool all_digits(const std::string& s) {
 }
 
 bool plain_name(const std::string& s) {
-  return !s.empty() && s != "." && s != ".." && s.find('/') == std::string::npos && s.find('\0') == std::string::npos;
+  const bool printable = std::all_of(s.begin(), s.end(), [](char c) { return uint8_t(c) >= 0x20 && c != 127; });
+  return !s.empty() && printable && s != "." && s != ".." && s.find('/') == std::string::npos;
+}
+
+// A file's text for a one-line message: control characters as \xNN.
+std::string shown(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (uint8_t(c) >= 0x20 && c != 127) {
+      out += c;
+    } else {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", unsigned(uint8_t(c)));
+      out += b;
+    }
+  }
+  return out;
 }
 
 // Step folders in a root, sorted by trailing number then name.
@@ -98,7 +114,11 @@ std::string resolve_step(const std::string& root, const std::string& asked, cons
 
 std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOptions& opt,
                                             std::vector<std::string> notes) {
-  if (is_native_step(dir)) return open_native(dir, std::move(notes));
+  if (is_native_step(dir)) {
+    if (!opt.model_path.empty())
+      notes.push_back("the model file " + opt.model_path + " is not used: native checkpoints record their model");
+    return open_native(dir, std::move(notes));
+  }
   if (is_deepspeed_step(dir)) return open_deepspeed(dir, opt);
   fail(ErrorCode::kInvalidArgument, dir, " is not a step folder: it holds neither ", native::kMetadataFile,
        " (native) nor *_model_states.pt (DeepSpeed)");
@@ -140,14 +160,14 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
   } else if (io::is_file(latest)) {
     step = trim(io::read_text(latest, 4096));
     if (!plain_name(step))
-      fail(ErrorCode::kDataLoss, latest, " holds '", step, "', which is not a step folder name");
+      fail(ErrorCode::kDataLoss, latest, " holds '", shown(step), "', which is not a step folder name");
     if (!io::is_dir(io::join(path, step)))
       fail(ErrorCode::kNotFound, latest, " names step '", step, "' but ", io::join(path, step),
            " does not exist; available steps: ", join_list(steps));
     notes.push_back("`latest` names " + step);
   } else if (io::is_file(megatron_latest)) {
     std::string it = trim(io::read_text(megatron_latest, 4096));
-    if (!all_digits(it)) fail(ErrorCode::kDataLoss, megatron_latest, " holds '", it, "', not an iteration number");
+    if (!all_digits(it)) fail(ErrorCode::kDataLoss, megatron_latest, " holds '", shown(it), "', not an iteration number");
     char iter_name[64];
     std::snprintf(iter_name, sizeof iter_name, "iter_%07llu", std::stoull(it));
     const std::vector<std::string> candidates = {"global_step" + it, iter_name};

@@ -38,11 +38,27 @@ bool is_rank_file_name(const std::string& n) {
   return true;
 }
 
+// A step name is a folder name that `latest` can hold on one line and readers find again as
+// written: printable ASCII without spaces (a trailing space or newline was saved, then not found
+// when `latest` was read back trimmed).
 void check_step_name(const std::string& step) {
-  if (step.empty() || step == "." || step == ".." || step == kLatestFile || step[0] == '.' ||
-      step.find('/') != std::string::npos || step.find('\0') != std::string::npos || step.size() > 200)
-    fail(ErrorCode::kInvalidArgument, "step name '", step,
-         "' is not allowed: use a plain folder name (no '/', not starting with '.', not 'latest')");
+  const bool plain = std::all_of(step.begin(), step.end(), [](char c) { return c > ' ' && c < 127; });
+  if (step.empty() || !plain || step == "." || step == ".." || step == kLatestFile || step[0] == '.' ||
+      step.find('/') != std::string::npos || step.size() > 200) {
+    std::string shown;
+    for (char c : step) {
+      if (c > ' ' && c < 127) {
+        shown += c;
+      } else {
+        char b[8];
+        std::snprintf(b, sizeof b, "\\x%02x", unsigned(uint8_t(c)));
+        shown += b;
+      }
+    }
+    fail(ErrorCode::kInvalidArgument, "step name '", shown,
+         "' is not allowed: use a plain folder name of printable characters (no spaces or control characters, "
+         "no '/', not starting with '.', not 'latest')");
+  }
 }
 
 std::string xxh3_hex(const void* data, size_t bytes) {
