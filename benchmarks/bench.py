@@ -205,6 +205,14 @@ class Bench:
             f.write(self.model.to_json())
         self.info["model"] = dict(json.loads(self.model.to_json()), params=self.model.params(),
                                   state_bytes=self.model.state_bytes())
+        # The checkpoints written at once (native, DCP, DeepSpeed, its Universal conversion) took
+        # about 3x the state bytes; a full disk stalled a run here (a rank's MPI
+        # start-up never returned), so too little space is refused before anything is written.
+        need = int(3.2 * self.model.state_bytes())
+        free = shutil.disk_usage(self.data).free
+        if free < need:
+            raise SystemExit(f"[bench] {self.data}: {free / 1e9:.1f} GB free, the checkpoints need about "
+                             f"{need / 1e9:.1f} GB; free space there, choose another --out, or a smaller --size-gb")
 
     def synth_native(self):
         self.native = os.path.join(self.data, "native")
