@@ -204,7 +204,7 @@ def test_safetensors_header_pointing_outside_the_file(ck):
 
 @need_cli
 @pytest.mark.parametrize("how", ["truncated_header", "garbage_header", "metadata_outside", "metadata_not_json",
-                                 "traversal_files", "traversal_buffers", "absolute_path"])
+                                 "metadata_is_a_folder", "traversal_files", "traversal_buffers", "absolute_path"])
 def test_damaged_step_cli_exit_2_python_error(ck, how):
     sd = step_dir(ck)
     meta = sd / "metadata.json"
@@ -225,6 +225,10 @@ def test_damaged_step_cli_exit_2_python_error(ck, how):
     elif how == "metadata_not_json":
         meta.write_text("{ nope")
         part = "metadata.json is not valid JSON"
+    elif how == "metadata_is_a_folder":  # was "… is not a step folder: it holds neither metadata.json …"
+        meta.unlink()
+        meta.mkdir()
+        part = "metadata.json is not a regular file"
     elif how == "traversal_files":
         j["files"][0]["name"] = "../../x.safetensors"
         meta.write_text(json.dumps(j))

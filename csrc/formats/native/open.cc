@@ -120,6 +120,9 @@ std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOp
     return open_native(dir, std::move(notes));
   }
   if (is_deepspeed_step(dir)) return open_deepspeed(dir, opt);
+  const std::string meta = io::join(dir, native::kMetadataFile);
+  if (io::exists(meta) && !io::is_file(meta))
+    fail(ErrorCode::kDataLoss, meta, " is not a regular file (a folder?); a native step's metadata is a JSON file");
   fail(ErrorCode::kInvalidArgument, dir, " is not a step folder: it holds neither ", native::kMetadataFile,
        " (native) nor *_model_states.pt (DeepSpeed)");
 }
