@@ -58,10 +58,9 @@ class CheckpointReader {
   /// A read-only mapping of the whole of file `file` (the same bytes read() returns), or nullptr
   /// where this reader has none; then executors use read(). Valid while the reader lives. Callers
   /// touch only ranges the pre-flight checked against file_size() (a byte past the end of a
-  /// mapped file is SIGBUS, not an error). Loads drop their page mappings of what they copied
-  /// (io::drop_mapped_pages; a later touch faults the pages in again): as they go when a rank's
-  /// mapped reads exceed its memory budget, and all at the end (drop_mapped_pages below), so a
-  /// reader kept open after a load does not hold the checkpoint in the process's RSS.
+  /// mapped file is SIGBUS, not an error). Loads drop their page mappings of bytes they have
+  /// copied (io::drop_mapped_pages; a later touch faults the pages in again), so a reader kept
+  /// open after a load does not hold the checkpoint in the process's RSS.
   virtual const uint8_t* mapped(int32_t file) const { return nullptr; }
   /// Drops this process's page mappings of every file mapped so far (the pages stay in the page
   /// cache; the mappings stay valid and a later touch maps them again). A load calls it when it
