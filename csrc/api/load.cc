@@ -131,7 +131,6 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   if (options.io_threads < 1 || options.io_threads > 1024)
     fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024");
   eo.io_threads = options.io_threads;
-  eo.memory_budget = po.memory_budget;
   eo.replica_policy = options.plan.replica_policy;
   eo.replica_atol = options.plan.replica_atol;
   if (options.verify == "off") eo.verify = VerifyMode::kOff;

@@ -42,12 +42,8 @@ constexpr uint64_t kDropChunkBytes = uint64_t(2) << 20;
 // (strided fragments count the gaps too, consistently on both sides).
 class MappedChunkDrops {
  public:
-  // `enabled`: false when the rank's mapped reads fit its memory budget (ExecOptions); then
-  // nothing is tracked and the load's end drops every page at once.
-  explicit MappedChunkDrops(bool enabled) : enabled_(enabled) {}
   // A fragment whose bytes [lo, hi) of `file` will be read from `map` (the file's mapping) once.
   void expect(int32_t file, const uint8_t* map, uint64_t lo, uint64_t hi) {
-    if (!enabled_) return;
     for_chunks(file, lo, hi, [&](uint64_t key, uint64_t a, uint64_t b) {
       auto [it, fresh] = index_.try_emplace(key, chunks_.size());
       if (fresh) chunks_.push_back(std::make_unique<Chunk>(map, a, b));
@@ -59,7 +55,6 @@ class MappedChunkDrops {
   }
   // That read is done (thread-safe; expect() calls must all come first).
   void done(int32_t file, uint64_t lo, uint64_t hi) {
-    if (!enabled_) return;
     for_chunks(file, lo, hi, [&](uint64_t key, uint64_t a, uint64_t b) {
       auto it = index_.find(key);
       if (it == index_.end()) return;
@@ -83,7 +78,6 @@ class MappedChunkDrops {
       f((uint64_t(uint32_t(file)) << 44) | k, a, b);
     }
   }
-  bool enabled_;
   std::unordered_map<uint64_t, size_t> index_;
   std::vector<std::unique_ptr<Chunk>> chunks_;
 };
@@ -442,12 +436,6 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     }
     ~Grow() { release(); }
   } staging_mem, send_mem, recv_mem, fan_mem;
-  // Bytes this rank reads out of file mappings over the whole load (spans, gaps of strided
-  // fragments included): past the memory budget, chunks are dropped as the copies finish them.
-  uint64_t mapped_reads = 0;
-  for (const Fragment& f : plan.fragments)
-    if (f.reader == me && f.num_replicas == 0 && source.mapped(f.file)) mapped_reads += span_end(f) - f.byte_base;
-  const bool drop_as_we_go = mapped_reads > opt.memory_budget;
   for (int w = 0; w < plan.num_waves; ++w) {
     const size_t lo = wave_begin[w], hi = wave_begin[w + 1];
     std::vector<uint64_t> send_counts(W, 0), recv_counts(W, 0);
@@ -548,7 +536,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     }
     // Every fragment read out of the mapping is read once: in the read step when it is packed,
     // else by its copy task.
-    MappedChunkDrops drops(drop_as_we_go);
+    MappedChunkDrops drops;
     for (const Mine& m : mine)
       if (m.src) {
         const Fragment& f = plan.fragments[m.frag];

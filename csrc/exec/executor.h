@@ -36,12 +36,6 @@ struct ExecOptions {
   ReplicaPolicy replica_policy = ReplicaPolicy::kError;
   double replica_atol = 0.0;
   VerifyMode verify = VerifyMode::kFree;
-  /// Bytes of source files this rank may keep mapped while it copies (the plan's memory budget).
-  /// When its reads out of file mappings exceed it, each 2 MiB chunk of a mapping is dropped as
-  /// soon as this rank's copies from it are done; otherwise the pages stay mapped until the load
-  /// ends and the caller drops them all at once (CheckpointReader::drop_mapped_pages), which
-  /// costs less than hundreds of drops during the copies.
-  uint64_t memory_budget = uint64_t(1) << 30;
   /// Called (on the executing thread) once every element of one of this rank's target buffers
   /// has been written; GPU targets use it to start the host-to-device copy of a finished buffer
   /// while later waves are still being read.

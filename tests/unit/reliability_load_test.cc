@@ -18,7 +18,6 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
-#include "exec/executor.h"
 #include "formats/native/layout_json.h"
 #include "io/file.h"
 #include "reshard/error.h"
@@ -595,34 +594,6 @@ TEST(ReliabilityBudget, TooSmallIsAClearErrorAndTheMinimumStillLoadsBitwise) {
   EXPECT_GT(r.waves, 4);
   EXPECT_LE(r.peak_staging_bytes, kMinMemoryBudget);
   for (size_t b = 0; b < t.buffers.size(); ++b) ASSERT_EQ(ref.mem[b], small.mem[b]) << t.buffers[b].name;
-}
-
-TEST(ReliabilityBudget, MappedReadsPastTheBudgetAreDroppedAsTheCopiesFinish) {
-  // While the load runs: reads out of file mappings that exceed the memory budget are dropped
-  // chunk by chunk as the copies finish them; reads within it stay mapped until the load ends
-  // (one drop of everything then is cheaper than hundreds during the copies). What is mapped is
-  // sampled each time a target buffer is complete, before the end-of-load drop.
-  const ModelConfig m = model(256, 1024);
-  Ckpt c("dropwhile", m, "tp=2,dp=1,zero=1");
-  const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
-  auto ck = open_checkpoint(c.root);
-  Plan plan = plan_load(*ck, t, PlanOptions{}, nullptr);
-  uint64_t total = 0;
-  for (const Fragment& f : plan.fragments) total += f.bytes();
-  ASSERT_GT(total, uint64_t(16) << 20);
-  for (uint64_t budget : {uint64_t(1) << 30, uint64_t(4) << 20}) {
-    SCOPED_TRACE(budget);
-    Live live(t);
-    ExecOptions eo;
-    eo.memory_budget = budget;
-    uint64_t most = 0;
-    eo.on_buffer_done = [&](int32_t) { most = std::max(most, testing::mapped_rss_under(c.root).first); };
-    auto comm = make_local_communicator();
-    execute_plan(plan, t, *ck, live.ptrs, *comm, eo);
-    ck->drop_mapped_pages();
-    if (budget > total) EXPECT_GT(most, total / 2) << "within the budget: mapped until the end";
-    else EXPECT_LT(most, budget) << "past the budget: dropped as copied (" << total << " bytes read)";
-  }
 }
 
 TEST(ReliabilityModel, BuffersThatShareMemoryAreRefusedBeforeAnyWrite) {
