@@ -15,6 +15,13 @@ bool box_is_dense(const Box& box, const std::array<int64_t, kMaxDims>& strides) 
   return true;
 }
 
+int64_t box_span(const Box& box, const std::array<int64_t, kMaxDims>& strides) {
+  if (box.numel() == 0) return 0;
+  int64_t span = 1;
+  for (int d = 0; d < box.ndim; ++d) span += (box.len[d] - 1) * strides[d];
+  return span;
+}
+
 std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<ChecksumUnit> units) {
   std::sort(units.begin(), units.end(), [](const ChecksumUnit& a, const ChecksumUnit& b) {
     return a.file != b.file ? a.file < b.file : a.offset < b.offset;
@@ -39,10 +46,8 @@ std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<Checksu
                    DType dtype, int32_t reader) {
     if (box.numel() == 0) return;
     // Byte extent in the file: [lo, hi) (strides are non-negative).
-    int64_t span = 1;
-    for (int d = 0; d < box.ndim; ++d) span += (box.len[d] - 1) * strides[d];
     const uint64_t es = dtype_size(dtype);
-    const uint64_t lo = byte_base, hi = byte_base + uint64_t(span) * es;
+    const uint64_t lo = byte_base, hi = byte_base + uint64_t(box_span(box, strides)) * es;
     const bool dense = box_is_dense(box, strides);
     // Units starting before hi, walked back from the last one.
     size_t n = size_t(std::lower_bound(units.begin(), units.end(), std::make_pair(file, hi),

@@ -403,11 +403,9 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     });
     return chk->finish();
   };
-  // A fragment's bytes in its file: [byte_base, byte_base + span).
+  // End of a fragment's bytes in its file: [byte_base, span_end).
   auto span_end = [&](const Fragment& f) {
-    int64_t last = 0;
-    for (int d = 0; d < f.box.ndim; ++d) last += (f.box.len[d] - 1) * f.src_strides[d];
-    return f.byte_base + uint64_t(last + 1) * dtype_size(f.src_dtype);
+    return f.byte_base + uint64_t(box_span(f.box, f.src_strides)) * dtype_size(f.src_dtype);
   };
   // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
   // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's
@@ -542,6 +540,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         const Fragment& f = plan.fragments[m.frag];
         drops.expect(f.file, m.src - f.byte_base, f.byte_base, span_end(f));
       }
+    auto read_out = [&](const Fragment& f) { drops.done(f.file, f.byte_base, span_end(f)); };
     bool any_direct = false;
     for (const Mine& m : mine) any_direct |= m.direct;
     // Read (+ verify) on the pool.
@@ -563,14 +562,14 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
             std::memcpy(m.dst + at, m.src + at, n);
           });
           if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);
-          drops.done(f.file, f.byte_base, span_end(f));
+          read_out(f);
           nverified.fetch_add(1);
           nverified_bytes.fetch_add(f.bytes());
           return;
         }
         if (m.dst) {
           pack_box(m.src, f.src_dtype, rel, f.src_strides, m.dst);
-          drops.done(f.file, f.byte_base, span_end(f));
+          read_out(f);
         }
         return;
       }
@@ -720,14 +719,14 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
           const Copy& c = copies[to_live[task.first]];
           const Fragment& f = plan.fragments[c.frag];
           check_and_copy(c, f, task.first, task.count);
-          drops.done(f.file, f.byte_base, span_end(f));
+          read_out(f);
           nverified.fetch_add(1);
           nverified_bytes.fetch_add(f.bytes());
           return;
         }
         for (size_t k = task.first; k < task.first + task.count; ++k) do_copy(copies[to_live[k]]);
         const Copy& c = copies[to_live[task.first]];
-        if (c.src_strided) drops.done(plan.fragments[c.frag].file, plan.fragments[c.frag].byte_base, span_end(plan.fragments[c.frag]));
+        if (c.src_strided) read_out(plan.fragments[c.frag]);
       });
     });
     auto ta = Clock::now();

@@ -197,6 +197,9 @@ struct ChecksumCheck {
 /// True when a box whose element (i_0, ..., i_n) lies at sum(i_d * strides[d]) is one contiguous
 /// run in row-major box order (dims of length 1 ignored).
 bool box_is_dense(const Box& box, const std::array<int64_t, kMaxDims>& strides);
+/// Elements from the first to the last element of `box` laid out with (non-negative) `strides`,
+/// both included: the extent a strided read of it covers (0 for an empty box).
+int64_t box_span(const Box& box, const std::array<int64_t, kMaxDims>& strides);
 
 /// For verify="full": every checksum unit that a fragment of `plan` reads bytes of (its replica
 /// sources under policy average included), each with one checker: the reader of the fragment

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "reshard/error.h"
+#include "reshard/plan.h"
 
 namespace reshard::native {
 
@@ -178,12 +179,7 @@ ModelConfig model_from_json(const Field& f) {
 // ---------------------------------------------------------------------------------------------
 // Layout
 
-int64_t piece_span(const Piece& p) {
-  if (p.box.numel() == 0) return 0;
-  int64_t span = 1;
-  for (int d = 0; d < p.box.ndim; ++d) span += (p.box.len[d] - 1) * p.strides[d];
-  return span;
-}
+int64_t piece_span(const Piece& p) { return box_span(p.box, p.strides); }
 
 json layout_to_json(const Layout& L, const std::vector<std::string>& buffer_files,
                     const std::vector<std::string>& checksums) {
