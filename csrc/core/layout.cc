@@ -605,4 +605,20 @@ Layout build_layout(const ModelConfig& cfg, const Topology& topo, const LayoutRe
   return L;
 }
 
+std::string overlapping_buffers(const Layout& L, int rank, const std::vector<const void*>& memory) {
+  std::vector<std::pair<uintptr_t, size_t>> at;  // (first byte, buffer)
+  for (size_t b = 0; b < L.buffers.size() && b < memory.size(); ++b)
+    if (L.buffers[b].rank == rank && L.buffers[b].numel > 0 && memory[b])
+      at.push_back({reinterpret_cast<uintptr_t>(memory[b]), b});
+  std::sort(at.begin(), at.end());
+  for (size_t i = 1; i < at.size(); ++i) {
+    const Buffer& prev = L.buffers[at[i - 1].second];
+    const uintptr_t prev_end = at[i - 1].first + uintptr_t(prev.numel) * dtype_size(prev.dtype);
+    if (at[i].first < prev_end)
+      return "buffers " + prev.name + " and " + L.buffers[at[i].second].name + " overlap in memory (" +
+             std::to_string(prev_end - at[i].first) + " bytes)";
+  }
+  return {};
+}
+
 }  // namespace reshard

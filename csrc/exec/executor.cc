@@ -211,25 +211,14 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
     // one place would load one's values over the other's, silently).
     std::ostringstream arg_problems;
     int narg = 0;
-    std::vector<std::pair<uintptr_t, size_t>> spans;  // (first byte, buffer)
     for (size_t b = 0; b < target.buffers.size(); ++b) {
       const Buffer& tb = target.buffers[b];
-      if (tb.rank != me || tb.numel == 0) continue;
-      if (buffers[b] == nullptr) {
-        if (narg++ < 4) arg_problems << (narg > 1 ? "; " : "") << "no memory given for target buffer " << tb.name;
-        continue;
-      }
-      spans.push_back({reinterpret_cast<uintptr_t>(buffers[b]), b});
+      if (tb.rank == me && tb.numel > 0 && buffers[b] == nullptr && narg++ < 4)
+        arg_problems << (narg > 1 ? "; " : "") << "no memory given for target buffer " << tb.name;
     }
-    std::sort(spans.begin(), spans.end());
-    for (size_t i = 1; i < spans.size(); ++i) {
-      const Buffer& prev = target.buffers[spans[i - 1].second];
-      const uintptr_t prev_end = spans[i - 1].first + uintptr_t(prev.numel) * dtype_size(prev.dtype);
-      if (spans[i].first < prev_end && narg++ < 4)
-        arg_problems << (narg > 1 ? "; " : "") << "target buffers " << prev.name << " and "
-                     << target.buffers[spans[i].second].name << " overlap in memory (" << (prev_end - spans[i].first)
-                     << " bytes): each buffer needs memory of its own";
-    }
+    const std::string overlap = overlapping_buffers(target, me, std::vector<const void*>(buffers.begin(), buffers.end()));
+    if (!overlap.empty() && narg++ < 4)
+      arg_problems << (narg > 1 ? "; " : "") << "target " << overlap << ": each buffer needs memory of its own";
     {
       // Same plan, checksum mode and replica policy everywhere (a policy can leave the plan
       // unchanged and still change what is loaded).

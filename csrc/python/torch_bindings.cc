@@ -7,7 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
-#include <tuple>
+#include <map>
 #include <type_traits>
 
 #include "python/torch_comm.h"
@@ -269,21 +269,19 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
            " elements but the layout says ", b.numel);
     if (!any_device) ptrs[i] = t.data_ptr();
   }
-  // No two buffers in the same memory: a load would write one's values over the other's.
-  struct Span { std::string dev; uintptr_t lo, hi; size_t buf; };
-  std::vector<Span> spans;
+  // No two buffers in the same memory, device by device (addresses of two devices may coincide).
+  std::map<std::string, std::vector<const void*>> by_device;
   for (size_t i = 0; i < L.buffers.size(); ++i) {
     if (L.buffers[i].rank != rank || L.buffers[i].numel == 0) continue;
-    const at::Tensor& t = *tensors[i];
-    const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    spans.push_back({t.device().str(), lo, lo + uintptr_t(t.numel()) * t.element_size(), i});
+    std::vector<const void*>& mem = by_device[tensors[i]->device().str()];
+    mem.resize(L.buffers.size(), nullptr);
+    mem[i] = tensors[i]->data_ptr();
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return std::tie(a.dev, a.lo) < std::tie(b.dev, b.lo); });
-  for (size_t k = 1; k < spans.size(); ++k)
-    if (spans[k].dev == spans[k - 1].dev && spans[k].lo < spans[k - 1].hi)
-      fail(ErrorCode::kInvalidArgument, what, ": the tensors for buffers ", L.buffers[spans[k - 1].buf].name, " and ",
-           L.buffers[spans[k].buf].name, " overlap in memory (", spans[k - 1].hi - spans[k].lo,
-           " bytes); each buffer needs memory of its own");
+  for (const auto& [device, mem] : by_device) {
+    const std::string overlap = overlapping_buffers(L, rank, mem);
+    if (!overlap.empty())
+      fail(ErrorCode::kInvalidArgument, what, ": the tensors for ", overlap, "; each buffer needs memory of its own");
+  }
   return ptrs;
 }
 

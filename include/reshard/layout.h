@@ -114,6 +114,12 @@ struct Layout {
   uint64_t total_bytes() const;
 };
 
+/// Memory a caller gives for `rank`'s buffers of `L` (`memory[i]` for buffer i, nullptr for other
+/// ranks' buffers or where none is given): "buffers A and B overlap in memory (N bytes)" for the
+/// first two buffers whose bytes overlap, or "" when none do. Two buffers in one place would load
+/// one's values over the other's, silently; loads refuse that before reading anything.
+std::string overlapping_buffers(const Layout& L, int rank, const std::vector<const void*>& memory);
+
 /// Logical shape of a tensor and the pieces of tp rank `tp_rank`, relative to that rank's local
 /// tensor (row-major over its local shape; base and strides in local elements).
 struct TpShard {
