@@ -45,20 +45,24 @@ void check_step_name(const std::string& step) {
   const bool plain = std::all_of(step.begin(), step.end(), [](char c) { return c > ' ' && c < 127; });
   if (step.empty() || !plain || step == "." || step == ".." || step == kLatestFile || step[0] == '.' ||
       step.find('/') != std::string::npos || step.size() > 200) {
-    std::string shown;
-    for (char c : step) {
-      if (c > ' ' && c < 127) {
-        shown += c;
-      } else {
-        char b[8];
-        std::snprintf(b, sizeof b, "\\x%02x", unsigned(uint8_t(c)));
-        shown += b;
-      }
-    }
-    fail(ErrorCode::kInvalidArgument, "step name '", shown,
+    fail(ErrorCode::kInvalidArgument, "step name '", escape_controls(step),
          "' is not allowed: use a plain folder name of printable characters (no spaces or control characters, "
          "no '/', not starting with '.', not 'latest')");
   }
+}
+
+std::string escape_controls(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (uint8_t(c) >= 0x20 && c != 127) {
+      out += c;
+    } else {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", unsigned(uint8_t(c)));
+      out += b;
+    }
+  }
+  return out;
 }
 
 std::string xxh3_hex(const void* data, size_t bytes) {
