@@ -278,7 +278,8 @@ def _tensor_list(layout: "Layout", rank: int, tensors) -> List[Optional[torch.Te
     return out
 
 
-_ERROR_CLASSES = None
+_ERROR_CLASSES = {c.__name__: c for c in (InvalidArgument, NotFound, DataLoss, Unsupported, FailedPrecondition,
+                                           Internal)}
 
 
 def _agree(comm: "Communicator", err: Optional[BaseException], what: str) -> None:
@@ -287,7 +288,6 @@ def _agree(comm: "Communicator", err: Optional[BaseException], what: str) -> Non
     in the next collective). The failing rank raises its own error; the others raise the first
     failing rank's error class (InvalidArgument for errors that are not reshard's) with each failing
     rank's message."""
-    global _ERROR_CLASSES
     if comm.size == 1:
         if err is not None:
             raise err
@@ -299,9 +299,6 @@ def _agree(comm: "Communicator", err: Optional[BaseException], what: str) -> Non
         return
     if err is not None:
         raise err
-    if _ERROR_CLASSES is None:
-        _ERROR_CLASSES = {c.__name__: c for c in (InvalidArgument, NotFound, DataLoss, Unsupported,
-                                                  FailedPrecondition, Internal)}
     cls = _ERROR_CLASSES.get(bad[0].partition("\n")[0], InvalidArgument)
     msgs = "; ".join(r.partition("\n")[2] for r in bad[:8]) + (f"; ... ({len(bad)} ranks)" if len(bad) > 8 else "")
     raise cls(f"[rank {comm.rank}] {what} refused on every rank before anything was read or written, because "
@@ -362,8 +359,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     (uncovered elements, missing or short files, replicas that differ under policy "error": names
     the tensor and max |diff|; any checksum mismatch with verify="full", one in a piece sent to
     another rank with "free"), InvalidArgument (tensors on several devices), Internal (ranks given
-    different ``verify`` values or replica policies, or inputs that plan differently). After live tensors were
-    partly written: FailedPrecondition ("free": a checksum mismatch
+    different ``verify`` values or replica policies, or inputs that plan differently). After live
+    tensors were partly written: FailedPrecondition ("free": a checksum mismatch
     found while a piece was copied locally, its copy then overwritten with NaN; or a peer of the
     communicator fails): they are then unusable and the trainer must abort. CUDA tensors are
     written only after the whole load succeeded, so they are never partly written.
@@ -415,8 +412,6 @@ def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify
     for i, t in enumerate(tlist):
         if t is None or bufs[i]["rank"] != me:
             continue
-        if not t.is_contiguous():
-            raise InvalidArgument(f"load: tensor for buffer {bufs[i]['name']} is not contiguous")
         host[i] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
         staged += t.numel() * t.element_size()
     report = _C.load(ckpt, layout, host, comm, policies, io_threads, verify)
@@ -461,8 +456,8 @@ def save(root: str, step: str, layout: "Layout", tensors, *, state: Optional[Map
     path and, for a write, the byte range), InvalidArgument (bad step name, tensors that do not
     match the layout, state keys or values of the wrong kind, comm size different from the
     layout's world size, a path the process may not write); like load, a check that fails on one
-    rank before the first collective fails every rank. A save that fails with an error removes its temporary folder; no step folder
-    appears.
+    rank before the first collective fails every rank. A save that fails with an error removes its
+    temporary folder; no step folder appears.
     """
     comm = _default_comm(comm)
     err = None

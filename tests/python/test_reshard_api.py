@@ -267,7 +267,7 @@ def test_tensors_that_share_memory_or_hold_none_are_refused_before_any_write(tmp
     ref = zeros_for(L, fill=0.0)
     reshard.load(str(tmp_path), L, ref)
     names = sorted(ref)
-    a, b = names[0], names[1]
+    a, b = [n for n in names if ref[n].dtype == torch.float32][:2]
     # The same tensor for two buffers of one dtype and size: one's values would overwrite the other's.
     same = [(x, y) for x in names for y in names if x < y and ref[x].dtype == ref[y].dtype
             and ref[x].numel() == ref[y].numel()]
@@ -279,24 +279,22 @@ def test_tensors_that_share_memory_or_hold_none_are_refused_before_any_write(tmp
     assert all(not t.any() for t in live.values())
     # Overlapping views of one storage (not the same start).
     big = torch.zeros(ref[a].numel() + ref[b].numel(), dtype=torch.float32)
-    if ref[a].dtype == ref[b].dtype == torch.float32:
-        live = zeros_for(L, fill=0.0)
-        live[a] = big[: ref[a].numel()]
-        live[b] = big[1: 1 + ref[b].numel()]
-        with pytest.raises(reshard.InvalidArgument, match="overlap in memory"):
-            reshard.load(str(tmp_path), L, live)
-        assert not big.any()
+    live = zeros_for(L, fill=0.0)
+    live[a] = big[: ref[a].numel()]
+    live[b] = big[1: 1 + ref[b].numel()]
+    with pytest.raises(reshard.InvalidArgument, match="overlap in memory"):
+        reshard.load(str(tmp_path), L, live)
+    assert not big.any()
     # Meta tensors hold no data: refused like save() refuses them, not "loaded" by a no-op copy.
     meta = {k: torch.empty(v.numel(), dtype=v.dtype, device="meta") for k, v in ref.items()}
     with pytest.raises(reshard.InvalidArgument, match="is on meta"):
         reshard.load(str(tmp_path), L, meta)
     # Adjacent views that do not overlap load like separate tensors.
-    if ref[a].dtype == ref[b].dtype == torch.float32:
-        live = zeros_for(L, fill=0.0)
-        live[a] = big[: ref[a].numel()]
-        live[b] = big[ref[a].numel():]
-        reshard.load(str(tmp_path), L, live)
-        assert torch.equal(live[a], ref[a]) and torch.equal(live[b], ref[b])
+    live = zeros_for(L, fill=0.0)
+    live[a] = big[: ref[a].numel()]
+    live[b] = big[ref[a].numel():]
+    reshard.load(str(tmp_path), L, live)
+    assert torch.equal(live[a], ref[a]) and torch.equal(live[b], ref[b])
 
 
 def test_a_model_whose_vocab_differs_from_the_checkpoints_is_refused(tmp_path):
@@ -322,7 +320,7 @@ def test_save_refuses_state_it_would_not_keep_and_bad_step_names(tmp_path):
              ({"iteration": -5}, "state 'iteration' must be >= 0"),
              ({"per_rank": {5: b"x"}}, "names rank 5, outside the layout's world size 1"),
              ({"per_rank": {0: "text"}}, "must map int ranks to bytes"),
-             ({"json": 5}, None)]  # an object: serialised, fine
+             ({"json": {"lr": 0.1}}, None)]  # a dict: serialised to its JSON text, saved
     for state, msg in cases:
         if msg is None:
             reshard.save(str(tmp_path / "ok"), "step-1", L, t, state=state)
