@@ -243,12 +243,7 @@ bool flip_byte_in_piece(const std::string& root, int32_t rank, StateKind state, 
     if (b.rank != rank || b.state != state || s.layout.arrays[pc.array].tensor != tensor) continue;
     const int64_t span = native::piece_span(pc);
     const uint64_t at = s.locations[pc.buffer].byte_offset + uint64_t(pc.base + span / 2) * dtype_size(b.dtype);
-    std::fstream f(s.files[s.locations[pc.buffer].file], std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(std::streamoff(at));
-    char x;
-    f.get(x);
-    f.seekp(std::streamoff(at));
-    f.put(char(x ^ 0x01));
+    testing::flip_bits(s.files[s.locations[pc.buffer].file], at, 0x01);
     return true;
   }
   return false;

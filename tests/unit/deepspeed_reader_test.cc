@@ -198,13 +198,7 @@ ChecksumUnit flip_byte_in_largest_record(const std::string& step, const std::str
       if (u.file == int32_t(f) && u.length > big.length) big = u;
   }
   if (big.length == 0) return big;
-  std::fstream io(s.files[big.file], std::ios::in | std::ios::out | std::ios::binary);
-  const uint64_t at = big.offset + big.length / 2;
-  io.seekg(std::streamoff(at));
-  char x;
-  io.get(x);
-  io.seekp(std::streamoff(at));
-  io.put(char(x ^ 0x10));
+  testing::flip_bits(s.files[big.file], big.offset + big.length / 2, 0x10);
   return big;
 }
 
@@ -692,12 +686,7 @@ TEST(DeepSpeedReader, FreeVerifyChecksAWholeRecordWhileCopyingAndLeavesNaN) {
   auto [off, len] = tensor_bytes(step + "/" + victim, "self_attention.dense.weight");
   ASSERT_EQ(len, 64u * 64 * 4);
   {
-    std::fstream io(step + "/" + victim, std::ios::in | std::ios::out | std::ios::binary);
-    io.seekg(std::streamoff(off + len / 2));
-    char x;
-    io.get(x);
-    io.seekp(std::streamoff(off + len / 2));
-    io.put(char(x ^ 0x08));
+    testing::flip_bits(step + "/" + victim, off + len / 2, 0x08);
   }
   auto reader = open_checkpoint(step);
   const Layout target = derive_layout(reader->source().layout.model, Topology::parse("tp=1,pp=1,dp=1,zero=1"));

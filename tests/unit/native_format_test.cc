@@ -275,12 +275,7 @@ TEST(NativeFormat, ChecksumDetectsFlippedByte) {
       buf_name = b.name;
       byte_text = "bytes [" + std::to_string(off) + ", " + std::to_string(off + len) + ")";
       // Flip one byte in the middle of it.
-      std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-      f.seekg(std::streamoff(off + len / 2));
-      char c;
-      f.get(c);
-      f.seekp(std::streamoff(off + len / 2));
-      f.put(char(c ^ 0x10));
+      testing::flip_bits(file, off + len / 2, 0x10);
       break;
     }
   }

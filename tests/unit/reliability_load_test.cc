@@ -253,12 +253,7 @@ TEST(ReliabilityCorrupt, FlippedByteFailsTheLoadNamingFileAndPiece) {
   ASSERT_GE(b, 0);
   const uint64_t at = s.locations[b].byte_offset + uint64_t(s.layout.buffers[b].numel) * 2;
   {
-    std::fstream f(c.file(0), std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(std::streamoff(at));
-    char x;
-    f.get(x);
-    f.seekp(std::streamoff(at));
-    f.put(char(x ^ 0x01));
+    testing::flip_bits(c.file(0), at, 0x01);
   }
   auto ck = open_checkpoint(c.root);  // headers are fine
   const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
@@ -496,12 +491,7 @@ TEST(ReliabilityReplicas, DifferingReplicaPolicies) {
         }
     }
     ASSERT_GE(buf, 0);
-    std::fstream f(c.file(1), std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(std::streamoff(s.locations[buf].byte_offset));
-    char x;
-    f.get(x);
-    f.seekp(std::streamoff(s.locations[buf].byte_offset));
-    f.put(char(x ^ 0x01));
+    testing::flip_bits(c.file(1), s.locations[buf].byte_offset, 0x01);
     const std::string meta = io::join(c.step(), "metadata.json");
     json j = load_json(meta);
     for (auto& p : j["pieces"])

@@ -12,6 +12,16 @@
 
 namespace reshard::testing {
 
+void flip_bits(const std::string& path, uint64_t offset, uint8_t mask) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  char x;
+  if (!f.seekg(std::streamoff(offset)) || !f.get(x))
+    throw std::runtime_error("flip_bits: cannot read byte " + std::to_string(offset) + " of " + path);
+  f.seekp(std::streamoff(offset));
+  if (!f.put(char(x ^ char(mask))))
+    throw std::runtime_error("flip_bits: cannot write byte " + std::to_string(offset) + " of " + path);
+}
+
 std::pair<uint64_t, int> mapped_rss_under(const std::string& dir) {
   std::ifstream in("/proc/self/smaps");
   std::string line;

@@ -21,6 +21,10 @@ std::string make_temp_dir(const std::string& prefix);
 /// tells a kill-during-save test that a save has completed.
 uint64_t latest_inode(const std::string& root);
 
+/// XORs the byte at `offset` of file `path` with `mask`: one damaged byte on disk. Throws
+/// std::runtime_error naming the file when it cannot be opened or ends before `offset`.
+void flip_bits(const std::string& path, uint64_t offset, uint8_t mask);
+
 /// Resident bytes of this process's mappings of files whose path contains `dir` (the sum of their
 /// Rss lines in /proc/self/smaps), and how many such mappings there are.
 std::pair<uint64_t, int> mapped_rss_under(const std::string& dir);
