@@ -20,7 +20,6 @@
 #include "formats/deepspeed/deepspeed_reader.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -159,16 +158,10 @@ class DeepSpeedReader final : public CheckpointReader {
   }
   const uint8_t* mapped(int32_t file) const override {
     if (file < 0 || size_t(file) >= fds_.size()) return nullptr;
-    std::call_once(maps_once_, [&] {
-      maps_ = std::make_unique<io::MappedFileSet>(source_.files);
-      maps_made_.store(true, std::memory_order_release);
-    });
     const io::MappedFile* m = maps_->get(size_t(file));
     return m ? m->data() : nullptr;
-  }  void drop_mapped_pages() const override {
-    // maps_ is made once (call_once) by the first mapped(); nothing to drop before that.
-    if (maps_made_.load(std::memory_order_acquire)) maps_->drop_all();
   }
+  void drop_mapped_pages() const override { maps_->drop_all(); }
 
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= fds_.size())
@@ -220,9 +213,8 @@ class DeepSpeedReader final : public CheckpointReader {
   std::vector<io::File> fds_;
   std::vector<std::map<uint64_t, std::pair<uint64_t, uint32_t>>> records_;  // offset -> (length, crc)
   std::string missing_;  // missing files, comma-separated
-  mutable std::once_flag maps_once_;
-  mutable std::unique_ptr<io::MappedFileSet> maps_;
-  mutable std::atomic<bool> maps_made_{false};
+  // Made once the file list is final; each file is mapped on its first use (MappedFileSet::get).
+  std::unique_ptr<io::MappedFileSet> maps_;
 };
 
 struct Opened {
@@ -1351,6 +1343,7 @@ std::unique_ptr<CheckpointReader> open_deepspeed(const std::string& step_dir, co
   b.model_config();
   b.build();
   b.non_tensor_state();
+  reader->maps_ = std::make_unique<io::MappedFileSet>(reader->source_.files);
   return reader;
 }
 

@@ -27,6 +27,7 @@ class NativeReader final : public CheckpointReader {
  public:
   NativeReader(const std::string& step_dir, std::vector<std::string> notes) : dir_(step_dir), notes_(std::move(notes)) {
     load();
+    maps_ = std::make_unique<io::MappedFileSet>(src_.files);
   }
 
   std::string writer() const override { return "native"; }
@@ -44,17 +45,10 @@ class NativeReader final : public CheckpointReader {
 
   const uint8_t* mapped(int32_t file) const override {
     if (file < 0 || size_t(file) >= src_.files.size() || missing_[file]) return nullptr;
-    std::call_once(maps_once_, [&] {
-      maps_ = std::make_unique<io::MappedFileSet>(src_.files);
-      maps_made_.store(true, std::memory_order_release);
-    });
     const io::MappedFile* m = maps_->get(size_t(file));
     return m ? m->data() : nullptr;
-  }  void drop_mapped_pages() const override {
-    // maps_ is made once (call_once) by the first mapped(); nothing to drop before that.
-    if (maps_made_.load(std::memory_order_acquire)) maps_->drop_all();
   }
-
+  void drop_mapped_pages() const override { maps_->drop_all(); }
 
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= src_.files.size())
@@ -257,9 +251,8 @@ class NativeReader final : public CheckpointReader {
   std::map<std::tuple<int32_t, uint64_t, uint64_t>, int> by_range_;
   mutable std::mutex mu_;
   mutable std::vector<std::unique_ptr<io::File>> handles_;
-  mutable std::once_flag maps_once_;
-  mutable std::unique_ptr<io::MappedFileSet> maps_;
-  mutable std::atomic<bool> maps_made_{false};
+  // Made once the file list is final; each file is mapped on its first use (MappedFileSet::get).
+  std::unique_ptr<io::MappedFileSet> maps_;
 };
 
 }  // namespace
