@@ -1,6 +1,5 @@
 #include "reshard/config.h"
 
-#include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -8,14 +7,14 @@
 #include <set>
 #include <sstream>
 
+#include "io/file.h"
 #include "reshard/error.h"
 
 namespace reshard {
 namespace {
 
 std::string read_text(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+  if (io::is_dir(path))
     fail(ErrorCode::kInvalidArgument, "config file ", path, " is a folder; give the path of a YAML file");
   std::ifstream in(path);
   if (!in) fail(ErrorCode::kNotFound, "cannot open config file ", path);
