@@ -197,7 +197,8 @@ std::string LoadReport::to_text() const {
      << bytes_exchanged / 1e9 << " GB, wrote " << target_bytes / 1e9 << " GB in " << seconds << " s ("
      << gbps << " GB/s), plan " << plan_seconds << " s, " << waves << " wave(s)\n";
   os << "  checksums: " << bytes_verified / 1e9 << " GB checked (" << checksums_verified << " pieces / records) for "
-     << bytes_read / 1e9 << " GB read; " << verify_bytes_read / 1e9
+     << (bytes_read - bytes_reread_on_node) / 1e9 << " GB read (re-reads by a second rank of a machine checked once); "
+     << verify_bytes_read / 1e9
      << " GB read for checks (replica comparisons, verify=full)\n";
   for (const auto& p : policies) os << "  policy: " << p << "\n";
   for (const auto& n : not_carried) os << "  not carried over: " << n << "\n";

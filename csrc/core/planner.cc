@@ -253,6 +253,7 @@ uint64_t Plan::hash() const {
     h = mix(h, f.byte_base);
     h = mix(h, uint64_t(f.reader));
     h = mix(h, uint64_t(f.wave));
+    h = mix(h, uint64_t(f.reread_on_node));
     for (uint32_t k = 0; k < f.num_deliveries; ++k) {
       const auto& d = deliveries[f.first_delivery + k];
       h = mix(mix(mix(h, uint64_t(d.rank)), uint64_t(d.buffer)), uint64_t(d.base));
@@ -730,6 +731,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
       p.dst = std::move(keep);
     }
     if (sibling) plan.bytes_reread_on_node += bytes;
+    f.reread_on_node = sibling;
     f.reader = reader;
     read_load[reader] += bytes;
     // Ranks and bytes this fragment adds to a wave.

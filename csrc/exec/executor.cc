@@ -371,9 +371,12 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   auto dense = box_is_dense;
   // A fragment whose bytes are exactly one checksummed unit, in file order: its reader checks it
   // (verify="free"; "full" checked every unit in the pre-flight).
-  auto checked = [&](const Fragment& f) {
+  // A node-local re-read (Fragment::reread_on_node) is not: its twin on another rank of this
+  // machine checks the same page-cache bytes (and poison_twins covers its copy if that fails).
+  auto checkable = [&](const Fragment& f) {
     return opt.verify == VerifyMode::kFree && dense(f.box, f.src_strides) && source.has_checksum(f.file, f.byte_base, f.bytes());
   };
+  auto checked = [&](const Fragment& f) { return !f.reread_on_node && checkable(f); };
   // Checks a checked fragment whose bytes are at `src` (its file mapping) slab by slab: each
   // slab (a cache-sized, contiguous part, whole inner rows) goes into the running checksum, then
   // to use(slab, byte offset, bytes) while it is still in cache, so the fragment crosses memory
@@ -423,6 +426,33 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     }
     ~Grow() { release(); }
   } staging_mem, send_mem, recv_mem, fan_mem;
+  // Node-local re-reads this rank copied without a check (their twins' readers check the same
+  // bytes). When the load fails, whatever the reason, their live copies are overwritten with
+  // poison (NaN) on the way out, as a failing checked piece's are: no value of a piece whose
+  // check failed on another rank of this machine stays in a live tensor here.
+  struct PoisonTwinsOnFailure {
+    const Plan& plan;
+    const Layout& target;
+    const std::vector<void*>& buffers;
+    int me;
+    std::vector<size_t> copied;
+    bool armed = true;
+    ~PoisonTwinsOnFailure() {
+      if (!armed) return;
+      for (size_t i : copied) {
+        const Fragment& f = plan.fragments[i];
+        Box rel = f.box;
+        for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+        for (uint32_t j = 0; j < f.num_deliveries; ++j) {
+          const Delivery& dv = plan.deliveries[f.first_delivery + j];
+          if (dv.rank != me) continue;
+          const Buffer& b = target.buffers[dv.buffer];
+          fill_poison_box(static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)), b.dtype,
+                          rel, dv.strides);
+        }
+      }
+    }
+  } unchecked_twins{plan, target, buffers, me, {}};
   for (int w = 0; w < plan.num_waves; ++w) {
     const size_t lo = wave_begin[w], hi = wave_begin[w + 1];
     std::vector<uint64_t> send_counts(W, 0), recv_counts(W, 0);
@@ -731,6 +761,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       }
     }
     local_copies.join();
+    for (const Mine& m : mine)
+      if (plan.fragments[m.frag].reread_on_node && checkable(plan.fragments[m.frag])) unchecked_twins.copied.push_back(m.frag);
     st.copy_seconds += seconds_since(tx);
     st.checksums_verified += nverified.exchange(0);
     st.bytes_verified += nverified_bytes.exchange(0);
@@ -830,6 +862,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   }
 
 
+  unchecked_twins.armed = false;
   // Buffers of tensors the checkpoint lacks (strict_missing off) stay as they were: nothing to check.
   comm.barrier();
   st.total_seconds = seconds_since(t0);

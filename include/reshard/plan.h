@@ -87,6 +87,11 @@ struct Fragment {
   /// every copy holding it before delivering (see average_replicas in simulate.h).
   uint32_t first_replica = 0;
   uint32_t num_replicas = 0;
+  /// A node-local re-read (PlanOptions::rank_node): another fragment, read by a rank of the same
+  /// machine, reads exactly these bytes of the same file, i.e. the same page-cache pages, and
+  /// checks them under verify="free". This one's reader copies them without hashing them again
+  /// (16-bit weights that every dp rank of a machine holds were hashed once per rank before).
+  bool reread_on_node = false;
   uint64_t bytes() const { return uint64_t(box.numel()) * dtype_size(src_dtype); }
 };
 

@@ -25,9 +25,13 @@ struct LoadOptions {
   ///    extra read: before its bytes go to another rank or to staging, or, when this rank copies
   ///    it straight out of the file mapping into its own live tensors, slab by slab (256 KiB) as
   ///    it is copied, so it crosses memory once; a piece that fails there has its live copy
-  ///    overwritten with NaN (all-ones bytes for non-float dtypes). Units cut between fragments (a tp split, a ZeRO
-  ///    partition re-cut, a DeepSpeed flat partition read tensor by tensor) are not checked:
-  ///    LoadReport::bytes_verified < bytes_read says how much was.
+  ///    overwritten with NaN (all-ones bytes for non-float dtypes). A unit that several ranks of
+  ///    one machine each read whole (node-local reads: 16-bit weights every dp rank holds) is
+  ///    checked by one of them, the others copy the same page-cache bytes unchecked
+  ///    (Fragment::reread_on_node); when the load fails, their copies are overwritten with NaN
+  ///    too. Units cut between fragments (a tp split, a ZeRO partition re-cut, a DeepSpeed flat
+  ///    partition read tensor by tensor) are not checked: LoadReport::bytes_verified <
+  ///    bytes_read - bytes_reread_on_node says how much was.
   ///  - "full": every unit the load touches (also those cut between fragments), read whole by
   ///    one rank and checked in the pre-flight before any write, so any mismatch is kDataLoss
   ///    with no live tensor written; the pass counts in verify_bytes_read.
@@ -50,9 +54,10 @@ struct LoadReport {
   uint64_t verify_bytes_read = 0; // all ranks: replica comparison reads and verify="full"'s pass
   uint64_t target_bytes = 0;      // bytes of live state written, all ranks
   uint64_t checksums_verified = 0;  // all ranks: fragments whose stored checksum was checked
-  /// All ranks: bytes of those fragments. With verify="free", bytes_verified < bytes_read means
-  /// some fragments were parts of stored pieces (a piece cut between target ranks), which "free"
-  /// does not check; `reshard verify` checks every piece.
+  /// All ranks: bytes of those fragments (bytes several ranks of one machine read count once).
+  /// With verify="free", bytes_verified < bytes_read - bytes_reread_on_node means some fragments
+  /// were parts of stored pieces (a piece cut between target ranks), which "free" does not
+  /// check; `reshard verify` checks every piece.
   uint64_t bytes_verified = 0;
   /// This rank's own numbers (the totals above are over all ranks).
   uint64_t rank_bytes_read = 0, rank_bytes_sent = 0, rank_bytes_received = 0;

@@ -308,6 +308,36 @@ TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
   // Every rank saw the same failure.
   std::vector<std::string> all = comm.all_gather_strings(msg);
   for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  // No rank keeps a value of the failing piece. All ranks here share one machine, so one of them
+  // checks the piece and the others copy the same page-cache bytes unchecked
+  // (Fragment::reread_on_node); those copies must be poisoned too. Each element of the piece's
+  // region is NaN (0x7fc0) or the untouched fill (0xABAB).
+  Box bad_box;
+  for (const Piece& pc : ckpt->source().layout.pieces)
+    if (ckpt->source().layout.buffers[pc.buffer].rank == 0 &&
+        ckpt->source().layout.buffers[pc.buffer].state == StateKind::kWeight &&
+        ckpt->source().layout.arrays[pc.array].tensor == "layers.0.self_attention.dense.weight")
+      bad_box = pc.box;
+  ASSERT_EQ(bad_box.ndim, 2);
+  int64_t kept = 0, looked = 0;
+  for (const Piece& pc : target.pieces) {
+    const Buffer& b = target.buffers[pc.buffer];
+    if (b.rank != comm.rank() || b.state != StateKind::kWeight ||
+        target.arrays[pc.array].tensor != "layers.0.self_attention.dense.weight")
+      continue;
+    ASSERT_EQ(b.dtype, DType::BF16);
+    const Box x = intersect(pc.box, bad_box);
+    for (int64_t r = x.off[0]; r < x.off[0] + x.len[0]; ++r)
+      for (int64_t c = x.off[1]; c < x.off[1] + x.len[1]; ++c) {
+        const int64_t at = pc.base + (r - pc.box.off[0]) * pc.strides[0] + (c - pc.box.off[1]) * pc.strides[1];
+        uint16_t v;
+        std::memcpy(&v, live.mem[pc.buffer].data() + at * 2, 2);
+        ++looked;
+        kept += v != 0x7fc0 && v != 0xABAB;
+      }
+  }
+  EXPECT_GT(looked, 0);
+  EXPECT_EQ(kept, 0) << "rank " << comm.rank() << " kept values of the piece whose checksum failed";
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }

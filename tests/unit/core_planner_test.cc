@@ -2,7 +2,9 @@
 // in-memory executor (simulate_plan). Replay a failure with RESHARD_TEST_SEED=<printed seed>.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <random>
+#include <tuple>
 
 #include "unit/core_harness.h"
 #include "unit/test_util.h"
@@ -113,6 +115,26 @@ void run_case(const Case& c, const PlanOptions& opt, bool round_trip) {
         ASSERT_NE(opt.rank_node[r], opt.rank_node[f.reader]) << "fragment sent within a node";
       }
     }
+  // Node-local re-reads: each one has a twin that is not one, on another rank of the same node,
+  // reading the same bytes (the rank that checks them under verify="free"); together they are
+  // the bytes re-read on a node.
+  {
+    std::map<std::tuple<int32_t, uint64_t, std::string, DType>, std::vector<int32_t>> readers;
+    uint64_t reread = 0;
+    for (const Fragment& f : p.fragments)
+      if (!f.reread_on_node) readers[{f.file, f.byte_base, f.box.to_string(), f.src_dtype}].push_back(f.reader);
+    for (const Fragment& f : p.fragments) {
+      if (!f.reread_on_node) continue;
+      ASSERT_TRUE(opt.dedup && !opt.rank_node.empty()) << "a re-read without node-local reads";
+      reread += f.bytes();
+      auto it = readers.find({f.file, f.byte_base, f.box.to_string(), f.src_dtype});
+      ASSERT_TRUE(it != readers.end()) << "re-read of " << f.box.to_string() << " has no checked twin";
+      bool twin = false;
+      for (int32_t r : it->second) twin |= r != f.reader && opt.rank_node[r] == opt.rank_node[f.reader];
+      EXPECT_TRUE(twin) << "re-read of " << f.box.to_string() << " by rank " << f.reader << " has no twin on its node";
+    }
+    EXPECT_EQ(reread, p.bytes_reread_on_node);
+  }
   if (!round_trip) return;
   // B -> A (A with all replicas; compare only what A's files hold: dp0 weights and every state).
   Layout A2 = derive_layout(c.model, c.a, src_opt);
