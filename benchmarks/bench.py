@@ -328,13 +328,15 @@ class Bench:
                      live_bytes_max_rank=m["live_bytes_max_rank"], peak_staging_bytes=m["peak_staging_bytes"],
                      memory_budget_bytes=m["memory_budget_bytes"], dedup=m["dedup"], verify=m["verify"],
                      bytes_verified=m.get("bytes_verified"), verify_bytes_read=m.get("verify_bytes_read"),
-                     checked_as_read=(m["bytes_verified"] / m["bytes_read"]) if m.get("bytes_read") else None,
+                     checked_as_read=(m["bytes_verified"] / (m["bytes_read"] - m.get("bytes_reread_on_node", 0)))
+                     if m.get("bytes_read") else None,
                      io_threads=m["io_threads"], change=m["change"], read_ceiling_adjacent_gbps=adjacent)
         if cache == "cold":
             e["resident_fraction_after_evict"] = max(j.get("resident_fraction_after_evict", -1) for j in runs)
         # Where the time goes: the executor's phases, max over ranks, of the median repeat.
         mid = min(runs, key=lambda j: abs(j["seconds"] - e["seconds"]))
-        e["breakdown"] = {"seconds": mid["seconds"], "plan_seconds": mid["plan_seconds"],
+        e["breakdown"] = {"seconds": mid["seconds"], "open_seconds": mid.get("open_seconds_max_rank"),
+                          "load_seconds": mid.get("load_seconds"), "plan_seconds": mid["plan_seconds"],
                           "read_seconds": mid["read_seconds_max_rank"],
                           "copy_seconds": mid.get("copy_seconds_max_rank", 0.0),
                           "preflight_seconds": mid.get("preflight_seconds_max_rank", 0.0),

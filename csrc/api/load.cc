@@ -141,9 +141,17 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   // ends, also when it fails: a reader kept open holds no checkpoint pages in this process's RSS.
   struct DropMappings {
     const CheckpointReader& r;
-    ~DropMappings() { r.drop_mapped_pages(); }
+    bool done = false;
+    void now() {
+      done = true;
+      r.drop_mapped_pages();
+    }
+    ~DropMappings() {
+      if (!done) r.drop_mapped_pages();
+    }
   } drop_mappings{ckpt};
   ExecStats st = execute_plan(plan, target, ckpt, buffers, comm, eo);
+  drop_mappings.now();  // inside the load's time
 
   LoadReport filled = assemble_load_report(plan, target, ckpt, st, st.peak_staging_bytes,
                                           options.plan.replica_policy, comm);

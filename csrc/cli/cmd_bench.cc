@@ -6,8 +6,10 @@
 //                     [--verify off|free|full]
 //       A distributed load as a trainer does it (load()), into this rank's preallocated and
 //       pre-faulted target buffers; run under `mpirun -np K` with K = the target world size.
-//       Per repeat: LoadReport numbers, peak RSS (max over ranks of ru_maxrss), live bytes of the
-//       largest rank, and the executor's read / exchange / scatter seconds (max over ranks).
+//       Per repeat: `seconds` from a barrier to the load's return on the slowest rank, opening
+//       the checkpoint included (`open_seconds_max_rank`; `load_seconds`: load() alone), the
+//       LoadReport's numbers, peak RSS (max over ranks of ru_maxrss), live bytes of the largest
+//       rank, and the executor's read / exchange / scatter seconds (max over ranks).
 //   reshard bench read-ceiling FILE... [--threads T] [--repeat N] [--cold] [--small-buffer]
 //       Positioned reads of the files from T threads into one preallocated buffer as large as the
 //       data (the copy into memory counts); --small-buffer reads through one small reused buffer
@@ -162,19 +164,26 @@ int run_load(const LoadArgs& a) {
   const std::vector<std::string> files = ckpt->source().files;
   for (int rep = 0; rep < a.repeat; ++rep) {
     // Each repeat opens the checkpoint afresh, as a restarting trainer does: no file mapping or
-    // handle survives from the previous load.
-    if (rep > 0) ckpt = open_checkpoint(a.path, oo);
+    // handle survives from the previous load. The time runs from a barrier to the load's return
+    // on the slowest rank and includes the open (metadata, file headers; DCP's and UCP's loads
+    // read their metadata inside the time too).
+    ckpt.reset();
     double resident = -2;
-    if (a.cold) {
-      if (me == 0) resident = evict_files(files);
-      comm->barrier();
-    }
+    if (a.cold && me == 0) resident = evict_files(files);
+    comm->barrier();
+    const auto t0 = Clock::now();
+    ckpt = open_checkpoint(a.path, oo);
+    const double open_seconds = since(t0);
     LoadReport r = load(*ckpt, target, ptrs, *comm, lo);
+    const double local_seconds = since(t0);
     nlohmann::json j = nlohmann::json::parse(r.to_json());
     j.erase("policies");
     j.erase("not_carried");
     j.erase("replica_report");
     j["repeat"] = rep;
+    j["load_seconds"] = r.seconds;  // load() alone (LoadReport::seconds: planning to return)
+    j["seconds"] = double(comm->all_reduce_max(int64_t(local_seconds * 1e6))) / 1e6;
+    j["gbps"] = j["seconds"].get<double>() > 0 ? double(r.target_bytes) / j["seconds"].get<double>() / 1e9 : 0;
     j["ranks"] = comm->size();
     j["cold"] = a.cold;
     if (a.cold) j["resident_fraction_after_evict"] = resident;
@@ -200,6 +209,7 @@ int run_load(const LoadArgs& a) {
     j["scatter_seconds_max_rank"] = mx(r.scatter_seconds);
     j["copy_seconds_max_rank"] = mx(r.copy_seconds);
     j["preflight_seconds_max_rank"] = mx(r.preflight_seconds);
+    j["open_seconds_max_rank"] = mx(open_seconds);
     j["bytes_read_max_rank"] = comm->all_reduce_max(int64_t(r.rank_bytes_read));
     j["bytes_sent_max_rank"] = comm->all_reduce_max(int64_t(r.rank_bytes_sent));
     if (!a.label.empty()) j["label"] = a.label;
