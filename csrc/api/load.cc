@@ -1,3 +1,4 @@
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -93,8 +94,11 @@ void finish_load_report(LoadReport& r, double local_seconds, Communicator& comm)
   r.gbps = r.seconds > 0 ? double(r.target_bytes) / r.seconds / 1e9 : 0;
 }
 
-std::vector<int32_t> node_of_ranks(Communicator& comm) {
-  // Ranks on one machine share its page cache: same kernel boot id and host name.
+std::vector<int32_t> node_of_ranks(Communicator& comm, const CheckpointReader& ckpt) {
+  // Ranks share a page cache for the checkpoint when they run on one kernel (boot id, host name)
+  // and see the same step folder (device and inode): two containers of one host that mount
+  // different disks at the same path are two "machines" here. verify="free" checks a piece once
+  // per such group (Fragment::reread_on_node), so the group must really read the same bytes.
   std::string me;
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::getline(boot, me);  // empty where /proc lacks it: the host name alone then decides
@@ -102,6 +106,9 @@ std::vector<int32_t> node_of_ranks(Communicator& comm) {
   ::gethostname(host, sizeof host - 1);
   me += "@";
   me += host;
+  struct stat st {};
+  if (::stat(ckpt.path().c_str(), &st) == 0)
+    me += "#" + std::to_string(uint64_t(st.st_dev)) + ":" + std::to_string(uint64_t(st.st_ino));
   std::vector<std::string> all = comm.all_gather_strings(me);
   std::vector<int32_t> node(all.size(), 0);
   std::vector<std::string> seen;
@@ -125,7 +132,7 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   PlanOptions po = options.plan;
   // With dedup on, ranks that share a machine (same boot id and host name) each read what they
   // need from the shared page cache; only ranks on other machines get bytes through the exchange.
-  if (po.node_local_reads && po.dedup && po.rank_node.empty() && comm.size() > 1) po.rank_node = node_of_ranks(comm);
+  if (po.node_local_reads && po.dedup && po.rank_node.empty() && comm.size() > 1) po.rank_node = node_of_ranks(comm, ckpt);
   Plan plan = plan_load(ckpt, target, po, &r.plan_seconds);
   ExecOptions eo;
   if (options.io_threads < 1 || options.io_threads > 1024)

@@ -86,9 +86,12 @@ struct LoadReport {
 LoadReport load(const CheckpointReader& checkpoint, const Layout& target, const std::vector<void*>& buffers,
                 Communicator& comm, const LoadOptions& options = {});
 
-/// Node id of every rank of comm (ranks on one machine share one id, numbered in rank order of
-/// first appearance), for PlanOptions::rank_node. Collective.
-std::vector<int32_t> node_of_ranks(Communicator& comm);
+/// Node id of every rank of comm, for PlanOptions::rank_node: ranks share an id when they run on
+/// one kernel (boot id and host name) and see `checkpoint`'s step folder as the same device and
+/// inode, i.e. read its files through one page cache (two containers of a host that mount
+/// different disks at one path get different ids). Ids are numbered in rank order of first
+/// appearance. Collective (one all-gather of short strings).
+std::vector<int32_t> node_of_ranks(Communicator& comm, const CheckpointReader& checkpoint);
 
 /// The dry run: plan only, touching no tensor data (headers only).
 Plan plan_load(const CheckpointReader& checkpoint, const Layout& target, const PlanOptions& options, double* plan_seconds);

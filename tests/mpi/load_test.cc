@@ -139,7 +139,7 @@ void run_case(const LoadCase& c, uint64_t seed, const std::string& dir, bool ded
   // Padding of flat partitions is zero (it was poisoned before the load).
   // The plan load() made: with dedup, ranks of one machine read from the shared page cache.
   PlanOptions po = lo.plan;
-  if (po.node_local_reads && po.dedup && comm.size() > 1) po.rank_node = node_of_ranks(comm);
+  if (po.node_local_reads && po.dedup && comm.size() > 1) po.rank_node = node_of_ranks(comm, *ckpt);
   Plan plan = make_plan(ckpt->source(), target, po);
   for (const Fill& f : plan.fills) {
     if (f.rank != me || f.extent.ndim != 1) continue;
@@ -247,6 +247,46 @@ bool flip_byte_in_piece(const std::string& root, int32_t rank, StateKind state, 
     return true;
   }
   return false;
+}
+
+// Ranks count as one machine (one page cache, one checksum check per piece under verify="free")
+// only when they also see the checkpoint's folder as the same device and inode. Two copies of
+// the folder stand in for two containers of one host that mount different disks at one path:
+// ranks reading different copies get different node ids, bytes cross between the groups through
+// the exchange (checked by their reader before they are sent), and the load gives the same bytes
+// as one where every rank reads the same copy.
+TEST(MpiLoad, RanksThatSeeDifferentCopiesOfTheFolderAreDifferentMachines) {
+  Communicator& comm = world();
+  std::string dir = shared_dir();
+  if (comm.rank() == 0) {
+    synth_checkpoint(dir + "/a", gqa_model(), Topology::parse("tp=2,pp=1,dp=1,zero=1"), 5);
+    std::filesystem::copy(dir + "/a", dir + "/b", std::filesystem::copy_options::recursive);
+  }
+  comm.barrier();
+  auto same = open_checkpoint(dir + "/a");
+  auto mine = open_checkpoint(dir + (comm.rank() % 2 ? "/b" : "/a"));
+  const std::vector<int32_t> one = node_of_ranks(comm, *same), two = node_of_ranks(comm, *mine);
+  ASSERT_EQ(int(one.size()), comm.size());
+  ASSERT_EQ(int(two.size()), comm.size());
+  for (int r = 0; r < comm.size(); ++r) {
+    EXPECT_EQ(one[r], 0) << "rank " << r;
+    EXPECT_EQ(two[r], r % 2) << "rank " << r;
+  }
+  Layout target = derive_layout(gqa_model(), Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  RankLive ref(target, comm.rank()), got(target, comm.rank());
+  LoadReport rs = load(*same, target, ref.ptrs(), comm);
+  LoadReport rm = load(*mine, target, got.ptrs(), comm);
+  EXPECT_TRUE(ref.mem == got.mem) << "rank " << comm.rank();
+  if (comm.size() >= 2) {
+    // Every rank needs the 16-bit weights. One machine: its ranks each copy them out of the
+    // page cache, nothing is sent. Two: a piece's reader checks it and sends it to the ranks of
+    // the other copy (the exchange), whose own copy is never taken for checked.
+    EXPECT_GT(rs.bytes_reread_on_node, 0u);
+    EXPECT_EQ(rs.bytes_exchanged, 0u);
+    EXPECT_GT(rm.bytes_exchanged, 0u);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
