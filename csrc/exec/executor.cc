@@ -372,7 +372,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // A fragment whose bytes are exactly one checksummed unit, in file order: its reader checks it
   // (verify="free"; "full" checked every unit in the pre-flight).
   // A node-local re-read (Fragment::reread_on_node) is not: its twin on another rank of this
-  // machine checks the same page-cache bytes (and poison_twins covers its copy if that fails).
+  // machine checks the same page-cache bytes (PoisonTwinsOnFailure below covers its copy).
   auto checkable = [&](const Fragment& f) {
     return opt.verify == VerifyMode::kFree && dense(f.box, f.src_strides) && source.has_checksum(f.file, f.byte_base, f.bytes());
   };
