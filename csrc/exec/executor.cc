@@ -225,24 +225,60 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       std::ostringstream hs;
       hs << plan.hash() << "/verify=" << int(verify) << "/replicas=" << int(policy) << "/atol=" << atol;
       const std::string h = hs.str();
+      // Which checkpoint: the reader's fingerprint and the iteration decide; the folder is named
+      // in the message only (machines may mount it at different paths).
+      const std::string id = source.fingerprint() + "/iteration=" + std::to_string(source.state().iteration);
+      std::string folder = source.path();
+      for (char& c : folder)
+        if (c == '\t' || c == '\n') c = '?';
       // Status: "" or 'A' (the caller's arguments) / 'D' (the files) + the problems.
       std::string mine;
       if (narg) mine = "A" + prefix(comm) + arg_problems.str();
       else if (nprob) mine = "D" + prefix(comm) + problems.str();
-      auto all = comm.all_gather_strings(h + '\n' + mine);
+      // Per rank: id \t folder \t plan hash \n status.
+      struct Said { std::string id, folder, hash, status; };
+      std::vector<Said> said;
+      for (const std::string& a : comm.all_gather_strings(id + '\t' + folder + '\t' + h + '\n' + mine)) {
+        const size_t t1 = a.find('\t'), t2 = a.find('\t', t1 + 1), nl = a.find('\n', t2 + 1);
+        said.push_back({a.substr(0, t1), a.substr(t1 + 1, t2 - t1 - 1), a.substr(t2 + 1, nl - t2 - 1),
+                        nl == std::string::npos ? std::string() : a.substr(nl + 1)});
+      }
+      {
+        // Ranks that opened different checkpoints (another step, `latest` read while a save
+        // rewrote it, another copy) must not load a mix of them: every rank fails, naming each
+        // group of ranks and what it opened.
+        std::vector<std::pair<std::string, std::string>> groups;  // (id, "folder (...) on rank(s) ...")
+        for (int r = 0; r < W; ++r) {
+          const Said& x = said[size_t(r)];
+          auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& y) { return y.first == x.id; });
+          if (g != groups.end()) {
+            g->second += "," + std::to_string(r);
+            continue;
+          }
+          const size_t slash = x.id.rfind("/iteration=");
+          groups.push_back({x.id, x.folder + " (" + x.id.substr(slash + 1) + ", fingerprint " +
+                                      (slash ? x.id.substr(0, slash) : "none") + ") on rank(s) " + std::to_string(r)});
+        }
+        if (groups.size() > 1) {
+          std::string msg;
+          for (size_t i = 0; i < groups.size() && i < 4; ++i) msg += (i ? "; " : "") + groups[i].second;
+          if (groups.size() > 4) msg += "; ... (" + std::to_string(groups.size()) + " different checkpoints)";
+          fail(ErrorCode::kFailedPrecondition, "ranks opened different checkpoints: ", msg,
+               "; every rank must open the same step (no live tensor was written)");
+        }
+      }
       std::string msg;
       int nbad = 0;
       bool args = false;
       for (int r = 0; r < W; ++r) {
-        const std::string& a = all[size_t(r)];
-        const size_t nl = a.find('\n');
-        const std::string theirs = a.substr(0, nl);
+        const std::string& theirs = said[size_t(r)].hash;
+        const std::string& status = said[size_t(r)].status;
         if (theirs != h)
           fail(ErrorCode::kInternal, prefix(comm), "plan hash, checksum mode or replica policy differs between ranks (rank ",
                r, " has ", theirs, ", this rank ", h, "): ranks were given different inputs");
-        if (nl == std::string::npos || nl + 1 >= a.size()) continue;
-        args |= a[nl + 1] == 'A';
-        if (nbad++ < 8) msg += (msg.empty() ? "" : "; ") + a.substr(nl + 2);
+        if (status.empty()) continue;
+        args |= status[0] == 'A';
+        if (nbad++ < 8) msg += (msg.empty() ? "" : "; ") + status.substr(1);
       }
       if (nbad > 8) msg += "; ... (" + std::to_string(nbad) + " ranks reported problems)";
       if (nbad && args) fail(ErrorCode::kInvalidArgument, "pre-flight check failed before any live tensor was written: ", msg);

@@ -85,6 +85,13 @@ class CheckpointReader {
   }
   /// Every byte range verify_range() can check, for load option verify="full".
   virtual std::vector<ChecksumUnit> checksum_units() const { return {}; }
+  /// A short fingerprint of what this checkpoint holds, the same wherever it is mounted and
+  /// different for another save: native, xxh3-64 of metadata.json (which records every piece's
+  /// checksum and the training state); DeepSpeed, xxh3-64 over each file's name and the offset,
+  /// length and zip CRC-32 of every record it holds. A load's pre-flight compares it across ranks
+  /// (ranks that opened different steps, e.g. `latest` read while a save rewrote it, fail before
+  /// any write). Empty where a reader has none (then only the iteration is compared).
+  virtual std::string fingerprint() const { return {}; }
 };
 
 struct OpenOptions {

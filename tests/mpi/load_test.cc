@@ -289,6 +289,43 @@ TEST(MpiLoad, RanksThatSeeDifferentCopiesOfTheFolderAreDifferentMachines) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Ranks that opened different checkpoints (here: two steps of one layout, as when `latest` is
+// read while a save rewrites it) fail on every rank before any write, naming both steps. The two
+// steps are written with the same seed, so they hold equal values and the same iteration: only
+// the fingerprint tells the two saves apart.
+TEST(MpiLoad, RanksThatOpenedDifferentStepsFailEveryRankBeforeAnyWrite) {
+  Communicator& comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  std::string dir = shared_dir();
+  if (comm.rank() == 0) {
+    synth_checkpoint(dir + "/ck", gqa_model(), Topology::parse("tp=2,pp=1,dp=1,zero=1"), 5, "step-5");
+    synth_checkpoint(dir + "/ck", gqa_model(), Topology::parse("tp=2,pp=1,dp=1,zero=1"), 5, "step-6");
+  }
+  comm.barrier();
+  OpenOptions oo;
+  oo.step = comm.rank() == comm.size() - 1 ? "step-6" : "step-5";
+  auto ckpt = open_checkpoint(dir + "/ck", oo);
+  Layout target = derive_layout(gqa_model(), Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  RankLive live(target, comm.rank());
+  std::string msg;
+  try {
+    load(*ckpt, target, live.ptrs(), comm);
+    ADD_FAILURE() << "ranks that opened step-5 and step-6 loaded a mix of both";
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kFailedPrecondition) << msg;
+    EXPECT_NE(msg.find("ranks opened different checkpoints"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("step-5 ("), std::string::npos) << msg;
+    EXPECT_NE(msg.find("step-6 ("), std::string::npos) << msg;
+    EXPECT_NE(msg.find("on rank(s) " + std::to_string(comm.size() - 1)), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
+  std::vector<std::string> all = comm.all_gather_strings(msg);
+  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
   Communicator& comm = world();
   std::string dir = shared_dir();

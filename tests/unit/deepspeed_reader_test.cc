@@ -679,6 +679,21 @@ TEST(DeepSpeedMalformed, TruncatedGarbageBadOffsetsHostilePickle) {
 // verify="free" (default) checks a whole zip record while it copies it into the live tensor (the
 // running CRC-32, slab by slab); a flipped byte fails the load naming the file, and the record's
 // live copy is left as NaN, not as the corrupt values.
+// The fingerprint a load's pre-flight compares across ranks (so ranks that opened different
+// saves fail before any write): equal for two opens of one save, also from another path;
+// different for another save (its records' stored CRC-32s differ).
+TEST(DeepSpeedReader, FingerprintTellsSavesApartButNotPaths) {
+  REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
+  REQUIRE_FIXTURE("pipe_pp2_tp2_dp2_z1_fp32");
+  const std::string a = open_checkpoint(step_dir("pipe_pp1_tp1_dp2_z1_fp32"))->fingerprint();
+  EXPECT_EQ(a.size(), 16u);
+  EXPECT_EQ(open_checkpoint(step_dir("pipe_pp1_tp1_dp2_z1_fp32"))->fingerprint(), a);
+  const std::string copy = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "fingerprint");
+  EXPECT_EQ(open_checkpoint(copy)->fingerprint(), a) << "same save under another path";
+  EXPECT_NE(open_checkpoint(step_dir("pipe_pp2_tp2_dp2_z1_fp32"))->fingerprint(), a);
+  fs::remove_all(fs::path(copy).parent_path());
+}
+
 TEST(DeepSpeedReader, FreeVerifyChecksAWholeRecordWhileCopyingAndLeavesNaN) {
   REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
   const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc_free");

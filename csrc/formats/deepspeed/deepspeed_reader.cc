@@ -35,6 +35,7 @@
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
+#include <xxhash.h>
 
 #include "formats/deepspeed/ds_names.h"
 #include "io/file.h"
@@ -162,6 +163,25 @@ class DeepSpeedReader final : public CheckpointReader {
     return m ? m->data() : nullptr;
   }
   void drop_mapped_pages() const override { maps_->drop_all(); }
+  std::string fingerprint() const override {
+    // Every record's zip CRC-32, with its file's name, offset and length: the optimizer state
+    // changes every step, so two saves differ; where the folder is mounted does not matter.
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    for (size_t f = 0; f < records_.size(); ++f) {
+      const std::string& path = source_.files[f];
+      const std::string name = path.substr(path.find_last_of('/') + 1);
+      XXH3_64bits_update(st, name.data(), name.size() + 1);
+      for (const auto& [off, rec] : records_[f]) {
+        const uint64_t v[3] = {off, rec.first, rec.second};
+        XXH3_64bits_update(st, v, sizeof v);
+      }
+    }
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH3_64bits_digest(st));
+    XXH3_freeState(st);
+    return hex;
+  }
 
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= fds_.size())

@@ -2,6 +2,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -32,6 +33,7 @@ class NativeReader final : public CheckpointReader {
 
   std::string writer() const override { return "native"; }
   std::string path() const override { return dir_; }
+  std::string fingerprint() const override { return fingerprint_; }
   const SourceLayout& source() const override { return src_; }
   const NonTensorState& state() const override { return state_; }
   std::vector<std::string> notes() const override { return notes_; }
@@ -123,6 +125,11 @@ class NativeReader final : public CheckpointReader {
     const std::string meta_path = io::join(dir_, kMetadataFile);
     if (!io::is_file(meta_path)) fail(ErrorCode::kNotFound, "no ", kMetadataFile, " in ", dir_, " (not a native step folder)");
     std::string text = io::read_text(meta_path);
+    {
+      char hex[17];
+      std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH3_64bits(text.data(), text.size()));
+      fingerprint_ = hex;
+    }
     json meta;
     try {
       meta = json::parse(text);
@@ -241,6 +248,7 @@ class NativeReader final : public CheckpointReader {
   }
 
   std::string dir_;
+  std::string fingerprint_;  // xxh3-64 of metadata.json, hex
   std::vector<std::string> notes_;
   SourceLayout src_;
   NonTensorState state_;
