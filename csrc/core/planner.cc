@@ -15,7 +15,9 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <set>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include "reshard/error.h"
@@ -259,6 +261,7 @@ uint64_t Plan::hash() const {
       h = mix(mix(mix(h, uint64_t(d.rank)), uint64_t(d.buffer)), uint64_t(d.base));
     }
   }
+  for (const auto& b : budget_splits) h = mix(mix(mix(mix(h, uint64_t(b.file)), b.byte_base), b.bytes), uint64_t(b.checker));
   h = mix(h, fills.size());
   h = mix(h, replica_compares.size());
   h = mix(h, replica_sources.size());
@@ -615,17 +618,33 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   needs.shrink_to_fit();
 
   // 5a. Cut fragments to the budget.
+  const bool node_local = opt.dedup && !opt.rank_node.empty();
+  if (node_local && int(opt.rank_node.size()) != W)
+    fail(ErrorCode::kInvalidArgument, "rank_node has ", opt.rank_node.size(), " entries for ", W, " target ranks");
   std::vector<Proto> cut;
   cut.reserve(protos.size());
-  std::function<void(Proto&&)> split = [&](Proto&& p) {
+  // Dense source ranges the budget cuts although the layout change reads them whole: verify="free"
+  // checks them in the pre-flight (Plan::budget_splits, checkers chosen below).
+  std::vector<std::tuple<int32_t, uint64_t, uint64_t>> split_ranges;  // (file, byte_base, bytes)
+  std::function<void(Proto&&, bool)> split = [&](Proto&& p, bool top) {
     const SrcPiece& sp = src_piece(p.src);
     const uint64_t es = dtype_size(sp.dtype);
     uint64_t bytes = uint64_t(p.box.numel()) * es;
-    // The reader holds the packed box plus one send copy per other receiving rank.
+    // The reader holds the packed box plus one send copy per other receiving rank. With
+    // node-local reads only receivers on other machines than the reader's get a send copy (the
+    // others read their own); the reader is not chosen yet, so count the worst receiver.
     std::vector<int32_t> rk;
     for (const auto& d : p.dst) rk.push_back(d.rank);
     std::sort(rk.begin(), rk.end());
-    uint64_t copies = uint64_t(std::unique(rk.begin(), rk.end()) - rk.begin()) + 1;
+    rk.erase(std::unique(rk.begin(), rk.end()), rk.end());
+    uint64_t copies = uint64_t(rk.size()) + 1;
+    if (node_local) {
+      std::map<int32_t, uint64_t> per_node;
+      for (int32_t r : rk) ++per_node[opt.rank_node[r]];
+      uint64_t fewest = rk.size();
+      for (const auto& [node, n] : per_node) fewest = std::min(fewest, n);
+      copies = 1 + (uint64_t(rk.size()) - fewest);
+    }
     // Averaging replicas also holds one replica read and a double accumulator (3 x fp32 bytes).
     bool has_replicas = false;
     if (average) for_each_replica(p.src, p.box, [&](const SrcPiece&, const Box&) { has_replicas = true; });
@@ -635,6 +654,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
       cut.push_back(std::move(p));
       return;
     }
+    if (top && box_is_dense(p.box, sp.strides)) split_ranges.emplace_back(sp.file, sub_byte_base(sp, p.box), bytes);
     // Split the outermost dim in source memory order that has more than one element.
     int best = -1;
     for (int d = 0; d < p.box.ndim; ++d)
@@ -653,10 +673,10 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
         c.base = sub_base(dv.base, p.box, dv.strides, q.box);
         q.dst.push_back(c);
       }
-      split(std::move(q));
+      split(std::move(q), false);
     }
   };
-  for (auto& p : protos) split(std::move(p));
+  for (auto& p : protos) split(std::move(p), true);
   protos.clear();
   protos.shrink_to_fit();
 
@@ -666,9 +686,6 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   std::vector<std::vector<uint64_t>> wave_use;  // [wave][rank]
   std::vector<uint64_t> wave_hint_unused;
   plan.fragments.reserve(cut.size());
-  const bool node_local = opt.dedup && !opt.rank_node.empty();
-  if (node_local && int(opt.rank_node.size()) != W)
-    fail(ErrorCode::kInvalidArgument, "rank_node has ", opt.rank_node.size(), " entries for ", W, " target ranks");
   std::vector<Proto> siblings;  // node-local re-reads split off below, placed after `cut`
   if (node_local) {
     // Never reallocated inside the loop (it holds a reference into it): a sibling per delivery at most.
@@ -791,6 +808,29 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   sorted.reserve(order.size());
   for (size_t i : order) sorted.push_back(plan.fragments[i]);
   plan.fragments.swap(sorted);
+
+  // Budget splits: one checker per split range and machine that reads it (a rank reading the
+  // range's first fragment: with dedup off every such rank reads its own copy and checks it).
+  if (!split_ranges.empty()) {
+    std::sort(split_ranges.begin(), split_ranges.end());
+    split_ranges.erase(std::unique(split_ranges.begin(), split_ranges.end()), split_ranges.end());
+    std::map<std::pair<int32_t, uint64_t>, uint64_t> start;  // (file, byte_base) -> bytes
+    for (const auto& [file, base, bytes] : split_ranges) {
+      auto [it, fresh] = start.try_emplace({file, base}, bytes);
+      if (!fresh) it->second = std::max(it->second, bytes);
+    }
+    std::set<std::tuple<int32_t, uint64_t, int32_t>> seen;  // (file, byte_base, machine)
+    for (const Fragment& f : plan.fragments) {
+      auto it = start.find({f.file, f.byte_base});
+      if (it == start.end()) continue;
+      const int32_t machine = node_local ? opt.rank_node[f.reader] : f.reader;
+      if (!seen.insert({f.file, f.byte_base, machine}).second) continue;
+      plan.budget_splits.push_back({f.file, f.byte_base, it->second, f.reader});
+    }
+    std::sort(plan.budget_splits.begin(), plan.budget_splits.end(), [](const BudgetSplit& a, const BudgetSplit& b) {
+      return std::tie(a.file, a.byte_base, a.checker) < std::tie(b.file, b.byte_base, b.checker);
+    });
+  }
 
   // Flat-partition padding: target buffer elements no piece covers are zero-filled.
   {

@@ -185,8 +185,13 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         note_range(c.replica.file, c.replica.byte_base, c.replica.dtype, c.box, c.replica.strides);
       }
     // verify="full": every checksum unit the plan touches (the same list on every rank).
+    // verify="free": the whole pieces the memory budget cut into several fragments
+    // (Plan::budget_splits), which no fragment checks as it is read.
     std::vector<ChecksumCheck> checks;
     if (verify == VerifyMode::kFull) checks = checksum_checks(plan, source.checksum_units());
+    if (verify == VerifyMode::kFree)
+      for (const BudgetSplit& b : plan.budget_splits)
+        if (source.has_checksum(b.file, b.byte_base, b.bytes)) checks.push_back({{b.file, b.byte_base, b.bytes}, b.checker, false});
     std::vector<size_t> my_checks;
     for (size_t i = 0; i < checks.size(); ++i)
       if (checks[i].checker == me) {
@@ -293,7 +298,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       my_units.push_back(checks[i].unit);
       unit_bytes += checks[i].unit.length;
     }
-    if (verify == VerifyMode::kFull) {
+    if (verify == VerifyMode::kFull || !checks.empty()) {
       // Pages stay mapped: this rank is the unit's main reader and its copy step reads them next
       // (faulting them in again would slow the load down); the copy step drops them as it finishes each.
       std::vector<std::string> bad_units = check_checksum_units(source, my_units, io_threads, /*drop_pages=*/false);
@@ -304,7 +309,9 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       stats->bytes_verified += unit_bytes;
       stats->checksums_verified += my_units.size();
       agree_or_throw(comm, uerr.empty() ? "" : prefix(comm) + uerr, ErrorCode::kDataLoss,
-                     "checksum check (verify=\"full\")", false);
+                     verify == VerifyMode::kFull ? "checksum check (verify=\"full\")"
+                                                 : "checksum check (verify=\"free\": pieces the memory budget splits)",
+                     false);
     }
     if (plan.replica_compares.empty()) return report;
 

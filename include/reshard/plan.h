@@ -105,6 +105,20 @@ struct ReplicaSource {
   uint64_t bytes() const { return uint64_t(box.numel()) * dtype_size(dtype); }
 };
 
+/// A dense source range that the layout change reads whole but the memory budget cut into
+/// several fragments (one fragment must fit a wave). verify="free" checks whole stored pieces as
+/// they are read, which a cut piece is not, so `checker`, a rank that reads the range's first
+/// fragment, reads it whole and checks it in the pre-flight when the range is exactly one
+/// checksummed unit (one checker per range and machine that reads it). Without this, how much
+/// "free" checks would depend on the budget: a fresh-clone tester loaded a corrupted 123 MB
+/// embedding on 8 dp ranks at the default 1 GiB budget.
+struct BudgetSplit {
+  int32_t file = 0;
+  uint64_t byte_base = 0;
+  uint64_t bytes = 0;
+  int32_t checker = 0;
+};
+
 /// Target elements that no source holds and that are zero-filled: vocab padding rows only the
 /// target has, and flat-partition padding.
 struct Fill {
@@ -147,6 +161,7 @@ struct Plan {
   std::vector<Fill> fills;
   std::vector<ReplicaCompare> replica_compares;
   std::vector<ReplicaSource> replica_sources;  // policy kAverage: indexed by Fragment::first_replica
+  std::vector<BudgetSplit> budget_splits;      // sorted by (file, byte_base, checker)
   int num_waves = 0;
   std::vector<RankStats> ranks;
   std::vector<std::string> notes;  // policies applied, rows dropped, weights from master, ...

@@ -29,7 +29,10 @@ struct LoadOptions {
   ///    one machine each read whole (node-local reads: 16-bit weights every dp rank holds) is
   ///    checked by one of them, the others copy the same page-cache bytes unchecked
   ///    (Fragment::reread_on_node); when the load fails, their copies are overwritten with NaN
-  ///    too. Units cut between fragments (a tp split, a ZeRO partition re-cut, a DeepSpeed flat
+  ///    too. A unit the layout change reads whole but the memory budget cuts into several
+  ///    fragments is read whole once more by one rank per machine and checked in the pre-flight,
+  ///    before any write (Plan::budget_splits; in verify_bytes_read). Units cut between fragments
+  ///    by the layout change itself (a tp split, a ZeRO partition re-cut, a DeepSpeed flat
   ///    partition read tensor by tensor) are not checked: LoadReport::bytes_verified <
   ///    bytes_read - bytes_reread_on_node says how much was.
   ///  - "full": every unit the load touches (also those cut between fragments), read whole by

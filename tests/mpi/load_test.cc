@@ -326,6 +326,53 @@ TEST(MpiLoad, RanksThatOpenedDifferentStepsFailEveryRankBeforeAnyWrite) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// verify="free" checks every stored piece the layout change reads whole, also one the memory
+// budget cuts into several fragments (a fresh-clone tester loaded a corrupted piece on every
+// rank that way): the piece is read whole and checked in the pre-flight, so a flipped byte fails
+// every rank before any write, whether ranks of a machine read their own copies, exchange them,
+// or each read all they need.
+TEST(MpiLoad, FlippedByteInAPieceTheBudgetSplitsFailsEveryRankBeforeAnyWrite) {
+  Communicator& comm = world();
+  std::string dir = shared_dir();
+  const std::string root = dir + "/ckpt";
+  ModelConfig m = gqa_model();
+  m.hidden = 256;
+  m.ffn = 1024;  // the SwiGLU gate/up weight: 2048 x 256 bf16, 1 MiB in one piece
+  const std::string tensor = "layers.0.mlp.dense_h_to_4h.weight";
+  if (comm.rank() == 0) {
+    synth_checkpoint(root, m, Topology::parse("tp=1,pp=1,dp=1,zero=1"), 9);
+    EXPECT_TRUE(flip_byte_in_piece(root, 0, StateKind::kWeight, tensor));
+  }
+  comm.barrier();
+  auto ckpt = open_checkpoint(root);
+  Layout target = derive_layout(m, Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  struct Mode { bool dedup, node_local; };
+  for (Mode mode : {Mode{true, true}, Mode{true, false}, Mode{false, false}}) {
+    SCOPED_TRACE(std::string("dedup ") + (mode.dedup ? "on" : "off") + ", node-local reads " + (mode.node_local ? "on" : "off"));
+    RankLive live(target, comm.rank());
+    LoadOptions lo;
+    lo.plan.dedup = mode.dedup;
+    lo.plan.node_local_reads = mode.node_local;
+    lo.plan.memory_budget = 256 * 1024;  // the 1 MiB piece is cut into fragments
+    std::string msg;
+    try {
+      load(*ckpt, target, live.ptrs(), comm, lo);
+      ADD_FAILURE() << "a flipped byte in a piece the budget splits loaded";
+    } catch (const Error& e) {
+      msg = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << msg;
+      EXPECT_NE(msg.find("pieces the memory budget splits) failed before any live tensor was written"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(tensor), std::string::npos) << msg;
+      EXPECT_NE(msg.find("xxh3 mismatch"), std::string::npos) << msg;
+    }
+    EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
+    std::vector<std::string> all = comm.all_gather_strings(msg);
+    for (const auto& x : all) EXPECT_EQ(x, all[0]);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
   Communicator& comm = world();
   std::string dir = shared_dir();

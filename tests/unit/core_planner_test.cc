@@ -135,6 +135,23 @@ void run_case(const Case& c, const PlanOptions& opt, bool round_trip) {
     }
     EXPECT_EQ(reread, p.bytes_reread_on_node);
   }
+  // Budget splits: each names a rank that reads the range's first fragment, on a machine that
+  // reads it, and fragments of its file tile it (so it is one range the layout reads whole).
+  for (const BudgetSplit& b : p.budget_splits) {
+    bool first = false;
+    uint64_t inside = 0;
+    for (const Fragment& f : p.fragments) {
+      first |= f.file == b.file && f.byte_base == b.byte_base && f.reader == b.checker;
+      if (f.file == b.file && !f.reread_on_node && f.byte_base >= b.byte_base && f.byte_base < b.byte_base + b.bytes &&
+          (!opt.dedup ? f.reader == b.checker : true))
+        inside += f.bytes();
+    }
+    EXPECT_TRUE(first) << "budget split at byte " << b.byte_base << " of file " << b.file << ": checker " << b.checker
+                       << " reads no fragment starting there";
+    if (opt.dedup) {
+      EXPECT_GE(inside, b.bytes) << "budget split at byte " << b.byte_base << " is not tiled by fragments";
+    }
+  }
   if (!round_trip) return;
   // B -> A (A with all replicas; compare only what A's files hold: dp0 weights and every state).
   Layout A2 = derive_layout(c.model, c.a, src_opt);
@@ -250,6 +267,62 @@ TEST(PlannerProperty, PlansAreDeterministic) {
     ASSERT_EQ(p1.hash(), p2.hash()) << c.describe();
     ASSERT_EQ(p1.fragments.size(), p2.fragments.size());
     ++ran;
+  }
+}
+
+// With node-local reads the budget cuts a piece only for the send copies that can happen: every
+// rank of one machine reads its own copy, so a piece that fits the budget stays whole (and
+// verify="free" checks it as it is read). A fresh-clone tester found 1/9 of the budget used as the
+// limit at dp=8 on one machine, so pieces over 119 MB of a 1 GiB budget were cut and not checked.
+// Where the budget does cut a piece that the layout reads whole, the plan lists it for the
+// pre-flight check.
+TEST(PlannerBudget, NodeLocalReadsCutPiecesOnlyForSendsThatHappen) {
+  ModelConfig m;
+  m.name = "cut";
+  m.num_layers = 1;
+  m.hidden = 256;
+  m.heads = 8;
+  m.ffn = 1024;
+  m.vocab = 512;
+  m.vocab_divisible_by = 8;
+  DeriveOptions so;
+  so.weights_on_dp0_only = true;
+  Layout A = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"), so);
+  Layout B = derive_layout(m, Topology::parse("tp=1,dp=8,zero=1"));
+  MemCheckpoint ma(A);
+  SourceLayout s = ma.as_source(A);
+  // The 16-bit h->4h weight: 1024 x 256 x 2 = 512 KiB, needed by all 8 ranks.
+  int arr = -1;
+  for (size_t i = 0; i < B.arrays.size(); ++i)
+    if (B.arrays[i].tensor == "layers.0.mlp.dense_h_to_4h.weight" && B.arrays[i].state == StateKind::kWeight) arr = int(i);
+  ASSERT_GE(arr, 0);
+  auto pieces = [&](const Plan& p) {
+    int n = 0;
+    for (const Fragment& f : p.fragments) n += f.array == arr && !f.reread_on_node;
+    return n;
+  };
+  PlanOptions one_machine;
+  one_machine.memory_budget = 1 << 20;  // 2x the piece, under 9x
+  one_machine.rank_node.assign(8, 0);
+  Plan p1 = make_plan(s, B, one_machine);
+  EXPECT_EQ(pieces(p1), 1) << "one machine: the piece fits the budget, nothing is sent";
+  EXPECT_TRUE(p1.budget_splits.empty());
+  PlanOptions two_machines = one_machine;
+  two_machines.rank_node = {0, 0, 0, 0, 1, 1, 1, 1};  // the reader sends to 4 ranks: 5 copies
+  Plan p2 = make_plan(s, B, two_machines);
+  EXPECT_GT(pieces(p2), 1);
+  PlanOptions job_wide = one_machine;
+  job_wide.rank_node.clear();  // one read per job: 7 send copies
+  Plan p3 = make_plan(s, B, job_wide);
+  EXPECT_GT(pieces(p3), 1);
+  // The cut pieces of p2/p3 include this one; each is listed with a checker that reads its start.
+  for (const Plan* p : {&p2, &p3}) {
+    bool listed = false;
+    for (const BudgetSplit& b : p->budget_splits)
+      for (const Fragment& f : p->fragments)
+        listed |= f.array == arr && f.file == b.file && f.byte_base == b.byte_base && f.reader == b.checker &&
+                  b.bytes == uint64_t(1024) * 256 * 2;
+    EXPECT_TRUE(listed) << "the cut weight piece is not listed for verify=free's pre-flight check";
   }
 }
 
