@@ -208,7 +208,9 @@ std::string LoadReport::to_json() const {
 std::string LoadReport::to_text() const {
   std::ostringstream os;
   os << "reshard: " << source_layout << " -> " << target_layout << " (" << change << "), writer " << writer << "\n";
-  os << "  read " << bytes_read / 1e9 << " GB (needed " << bytes_needed / 1e9 << " GB), exchanged "
+  os << "  read " << bytes_read / 1e9 << " GB (" << bytes_reread_on_node / 1e9
+     << " GB of it re-read by a second rank of a machine from its page cache; needed " << bytes_needed / 1e9
+     << " GB), exchanged "
      << bytes_exchanged / 1e9 << " GB, wrote " << target_bytes / 1e9 << " GB in " << seconds << " s ("
      << gbps << " GB/s), plan " << plan_seconds << " s, " << waves << " wave(s)\n";
   os << "  checksums: " << bytes_verified / 1e9 << " GB checked (" << checksums_verified << " pieces / records) for "

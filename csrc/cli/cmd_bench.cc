@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -161,7 +162,15 @@ int run_load(const LoadArgs& a) {
   lo.plan.node_local_reads = !a.one_read_per_job;
   lo.io_threads = a.io_threads;
   lo.verify = a.verify;
-  const std::vector<std::string> files = ckpt->source().files;
+  // --cold evicts every file of the step folder: the data files and what the open reads
+  // (metadata.json; DeepSpeed's pickles are in the data files), since the open is timed too.
+  std::vector<std::string> files = ckpt->source().files;
+  {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(ckpt->path(), ec))
+      if (e.is_regular_file(ec) && std::find(files.begin(), files.end(), e.path().string()) == files.end())
+        files.push_back(e.path().string());
+  }
   for (int rep = 0; rep < a.repeat; ++rep) {
     // Each repeat opens the checkpoint afresh, as a restarting trainer does: no file mapping or
     // handle survives from the previous load. The time runs from a barrier to the load's return
@@ -357,13 +366,13 @@ Command bench_command() {
     l->add_option("path", la->path, "Checkpoint (root or step folder)")->required();
     l->add_option("--target", la->target, "Target layout, e.g. tp=2,pp=1,dp=1,zero=1 (world size = ranks)")->required();
     l->add_option("--model", la->model, "Model YAML for checkpoints that do not record it (DeepSpeed)");
-    l->add_option("--repeat", la->repeat, "Loads to time (default 1)");
+    l->add_option("--repeat", la->repeat, "Loads to time (default 1)")->check(CLI::Range(1, 1 << 20));
     l->add_option("--io-threads", la->io_threads, "Read threads per rank (default 4)");
     l->add_option("--memory-budget", la->budget, "Per-rank staging budget per wave (default 1GiB)");
     l->add_option("--verify", la->verify, "Checksum checks while loading: off, free or full (default free; see LoadOptions::verify)")
         ->check(CLI::IsMember({"off", "free", "full"}));
     l->add_option("--label", la->label, "Free text copied into the output");
-    l->add_flag("--cold", la->cold, "Evict the source files from the page cache before each load");
+    l->add_flag("--cold", la->cold, "Evict the step folder's files (data and metadata) from the page cache before each load");
     l->add_flag("--no-dedup", la->no_dedup, "Each rank reads what it needs (no fan-out)");
     l->add_flag("--one-read-per-job", la->one_read_per_job,
                 "Dedup across the whole job: ranks on one machine also exchange instead of each reading "
@@ -371,8 +380,8 @@ Command bench_command() {
     l->callback([which] { *which = "load"; });
     CLI::App* r = s->add_subcommand("read-ceiling", "Positioned reads of files from all cores into one buffer as large as the data");
     r->add_option("files", ca->files, "Files to read")->required();
-    r->add_option("--threads", ca->threads, "Threads (default: all cores)");
-    r->add_option("--repeat", ca->repeat, "Timed passes (median reported)");
+    r->add_option("--threads", ca->threads, "Threads (default: all cores)")->check(CLI::Range(1, 1 << 20));
+    r->add_option("--repeat", ca->repeat, "Timed passes (median reported)")->check(CLI::Range(1, 1 << 20));
     r->add_option("--chunk", ca->chunk, "Bytes per positioned read (default 8MiB)");
     r->add_option("--small", ca->small, "Size of the reused buffer with --small-buffer (default 1MiB)");
     r->add_flag("--cold", ca->cold, "Evict the files from the page cache before each pass");
@@ -380,8 +389,8 @@ Command bench_command() {
     r->callback([which] { *which = "read-ceiling"; });
     CLI::App* m = s->add_subcommand("memcpy", "Memory-copy bandwidth from all cores");
     m->add_option("--bytes", ma->bytes, "Bytes per copy (default 1GiB)");
-    m->add_option("--threads", ma->threads, "Threads (default: all cores)");
-    m->add_option("--repeat", ma->repeat, "Timed copies (median reported)");
+    m->add_option("--threads", ma->threads, "Threads (default: all cores)")->check(CLI::Range(1, 1 << 20));
+    m->add_option("--repeat", ma->repeat, "Timed copies (median reported)")->check(CLI::Range(1, 1 << 20));
     m->callback([which] { *which = "memcpy"; });
     CLI::App* e = s->add_subcommand("evict", "Drop files from the page cache (posix_fadvise DONTNEED)");
     e->add_option("files", *ev, "Files")->required();

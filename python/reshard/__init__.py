@@ -335,14 +335,20 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     (default) checks every fragment that is exactly one checksummed unit as it is read, at no
     extra read (a fragment copied straight out of the file into this rank's tensors is checked
     in 256 KiB slabs as it is copied; if it fails, its copy in the tensors is overwritten with
-    NaN); units cut between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat
-    partitions read tensor by tensor) are not checked ("bytes_verified" < "bytes_read" says so).
+    NaN); a unit several ranks of one machine read whole is checked by one of them (the others'
+    copies are overwritten with NaN if the load fails); a unit the memory budget cuts into
+    several fragments is read whole and checked before any write; units cut between ranks by
+    the layout change (tp splits, ZeRO re-cuts, DeepSpeed flat partitions read tensor by tensor)
+    are not checked ("bytes_verified" < "bytes_read" - "bytes_reread_on_node" says so). Ranks
+    that opened different checkpoints (another step or save) raise FailedPrecondition before any
+    write.
     "full" reads every unit the load touches whole on one rank and checks it before any write (all
     or nothing; the pass counts in "verify_bytes_read"). "off": none.
 
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
-    "bytes_read", "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes" (bytes,
-    all ranks), "checksums_verified", "bytes_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
+    "bytes_read", "bytes_reread_on_node" (part of bytes_read that a second rank of a machine read
+    from its page cache), "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes"
+    (bytes, all ranks), "checksums_verified", "bytes_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
     (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "policies", "not_carried",
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
     step, json, per_rank (only when the layout is identical)}, "text"}`` and this rank's phase

@@ -123,3 +123,11 @@ def test_stats_show_a_zeroed_shard(tmp_path):
     head = next(t for t in j["tensors"] if t["name"] == "lm_head.weight")
     assert head["stats"]["weight"]["zero_fraction"] == pytest.approx(0.5)
     assert head["stats"]["fp32"]["zero_fraction"] == 0
+    # --stats reads every byte, so it checks the stored checksums too: statistics of corrupted
+    # bytes look plausible, the problem list says they are corrupted (a fresh-clone tester saw
+    # shifted statistics with "problems: []").
+    bad = [p for p in j["problems"] if p.startswith("checksum: ")]
+    assert len(bad) == 1, j["problems"]
+    assert "rank_00001.safetensors" in bad[0] and "weight/lm_head.weight" in bad[0] and "xxh3 mismatch" in bad[0], bad[0]
+    clean = json.loads(run("inspect", synth(tmp_path / "clean", "tp=2,pp=1,dp=1,zero=0"), "--json", "--stats").stdout)
+    assert not [p for p in clean["problems"] if p.startswith("checksum: ")], clean["problems"]
