@@ -546,7 +546,10 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
     cs.source = source_mode;
     st.replica_report = run_preflight(plan, target, ckpt, dev, comm, options.plan.replica_policy,
                                       options.plan.replica_atol, &st,
-                                      options.verify == "full" ? VerifyMode::kFull : VerifyMode::kFree, co.io_threads > 0 ? co.io_threads : 16);
+                                      options.verify == "full"  ? VerifyMode::kFull
+                                      : options.verify == "off" ? VerifyMode::kOff
+                                                                : VerifyMode::kFree,
+                                      co.io_threads > 0 ? co.io_threads : 16);
     const int threads = co.io_threads > 0 ? co.io_threads : 16;
     const int slots = std::max(1, co.slots_per_thread);
     const uint64_t chunk = std::max<uint64_t>(co.chunk_bytes, 1 << 20);
