@@ -299,9 +299,13 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       unit_bytes += checks[i].unit.length;
     }
     if (verify == VerifyMode::kFull || !checks.empty()) {
-      // Pages stay mapped: this rank is the unit's main reader and its copy step reads them next
-      // (faulting them in again would slow the load down); the copy step drops them as it finishes each.
-      std::vector<std::string> bad_units = check_checksum_units(source, my_units, io_threads, /*drop_pages=*/false);
+      // "full": pages stay mapped, since this rank is the unit's main reader and its copy step
+      // reads them next (faulting them in again would slow the load down); the copy step drops
+      // them as it finishes each. "free" checks only pieces the budget cut, i.e. pieces larger
+      // than what a wave may hold: each is dropped once checked, so the check does not hold
+      // more than the budget mapped (the copy step maps it again, wave by wave).
+      std::vector<std::string> bad_units =
+          check_checksum_units(source, my_units, io_threads, /*drop_pages=*/verify == VerifyMode::kFree);
       std::string uerr;
       for (size_t i = 0; i < bad_units.size() && i < 4; ++i) uerr += (i ? "; " : "") + bad_units[i];
       if (bad_units.size() > 4) uerr += "; ... (" + std::to_string(bad_units.size()) + " units fail)";
