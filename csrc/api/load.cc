@@ -164,6 +164,16 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
                                           options.plan.replica_policy, comm);
   filled.plan_seconds = r.plan_seconds;
   r = std::move(filled);
+  // What "free" could not check, said where a trainer's log shows it (a ZeRO-3 or tp-split load
+  // checks nothing under "free").
+  const uint64_t from_storage = r.bytes_read - std::min(r.bytes_read, r.bytes_reread_on_node);
+  if (eo.verify == VerifyMode::kFree && r.bytes_verified < from_storage) {
+    std::ostringstream os;
+    os << "verify=free checked " << r.bytes_verified / 1e9 << " of the " << from_storage / 1e9
+       << " GB read: pieces the layout change cuts between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat "
+          "partitions) are not checked; verify=\"full\" checks every piece before any write";
+    r.policies.push_back(os.str());
+  }
   finish_load_report(r, since(t0), comm);
   return r;
 }

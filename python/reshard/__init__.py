@@ -339,7 +339,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     copies are overwritten with NaN if the load fails); a unit the memory budget cuts into
     several fragments is read whole and checked before any write; units cut between ranks by
     the layout change (tp splits, ZeRO re-cuts, DeepSpeed flat partitions read tensor by tensor)
-    are not checked ("bytes_verified" < "bytes_read" - "bytes_reread_on_node" says so). Ranks
+    are not checked ("bytes_verified" < "bytes_read" - "bytes_reread_on_node" says so, and a
+    "verify=free checked ..." entry in "policies"). Ranks
     that opened different checkpoints (another step or save) raise FailedPrecondition before any
     write.
     "full" reads every unit the load touches whole on one rank and checks it before any write (all

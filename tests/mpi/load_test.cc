@@ -557,6 +557,11 @@ TEST(MpiLoad, FullVerifyChecksPiecesCutBetweenRanksBeforeAnyWrite) {
     RankLive live(target, comm.rank());
     LoadReport r = load(*ckpt, target, live.ptrs(), comm);  // "free" cannot see it
     EXPECT_LT(r.bytes_verified, r.bytes_read);
+    // ... and the report says so, where a trainer's log shows it.
+    int said = 0;
+    for (const std::string& p : r.policies) said += p.rfind("verify=free checked ", 0) == 0;
+    EXPECT_EQ(said, 1) << r.to_text();
+    EXPECT_NE(r.to_text().find("are not checked; verify=\"full\" checks every piece"), std::string::npos) << r.to_text();
   }
   RankLive live(target, comm.rank());
   LoadOptions lo;

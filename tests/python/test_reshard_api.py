@@ -155,6 +155,18 @@ def test_allocate_gives_tensors_load_accepts(tmp_path):
         reshard.load(str(tmp_path), L, live, verify="always")
 
 
+def test_the_report_notes_only_what_verify_free_did_not_check(tmp_path):
+    """One process reads every stored piece whole, so "free" checks all of it and the report adds
+    no "verify=free checked ..." note (MpiLoad.FullVerifyChecksPiecesCutBetweenRanks... shows the
+    note where a tp split cuts pieces between ranks)."""
+    m = reshard.model_config(TINY)
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=1,dp=2,zero=1", 4)
+    L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=3")
+    rep = reshard.load(str(tmp_path), L, reshard.allocate(L))
+    assert rep["bytes_verified"] == rep["bytes_read"] > 0, rep
+    assert not [p for p in rep["policies"] if p.startswith("verify=free")], rep["policies"]
+
+
 def test_wrong_argument_types_are_invalid_argument(tmp_path):
     """Policies and tensors of the wrong type raise InvalidArgument naming what is wrong (a
     fresh-clone user got raw binding errors and a misleading device message before)."""
