@@ -109,6 +109,22 @@ std::vector<int32_t> node_of_ranks(Communicator& comm, const CheckpointReader& c
   struct stat st {};
   if (::stat(ckpt.path().c_str(), &st) == 0)
     me += "#" + std::to_string(uint64_t(st.st_dev)) + ":" + std::to_string(uint64_t(st.st_ino));
+  // And the data files themselves (a file bind-mounted or renamed over one of them is another
+  // copy): FNV-1a over each file's device and inode, in file order.
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  };
+  for (const std::string& f : ckpt.source().files) {
+    struct stat fs {};
+    if (::stat(f.c_str(), &fs) == 0) {
+      mix(uint64_t(fs.st_dev));
+      mix(uint64_t(fs.st_ino));
+    } else {
+      mix(~uint64_t(0));
+    }
+  }
+  me += "#" + std::to_string(h);
   std::vector<std::string> all = comm.all_gather_strings(me);
   std::vector<int32_t> node(all.size(), 0);
   std::vector<std::string> seen;
@@ -132,8 +148,13 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   PlanOptions po = options.plan;
   // With dedup on, ranks that share a machine (same boot id and host name) each read what they
   // need from the shared page cache; only ranks on other machines get bytes through the exchange.
-  if (po.node_local_reads && po.dedup && po.rank_node.empty() && comm.size() > 1) po.rank_node = node_of_ranks(comm, ckpt);
+  // The machines are known to every load (one all-gather, whatever the options): verify="full"
+  // checks each unit once per machine that reads it (Plan::rank_machine).
+  std::vector<int32_t> machines;
+  if (comm.size() > 1) machines = node_of_ranks(comm, ckpt);
+  if (po.node_local_reads && po.dedup && po.rank_node.empty()) po.rank_node = machines;
   Plan plan = plan_load(ckpt, target, po, &r.plan_seconds);
+  plan.rank_machine = po.rank_node.empty() ? machines : po.rank_node;
   ExecOptions eo;
   if (options.io_threads < 1 || options.io_threads > 1024)
     fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024");

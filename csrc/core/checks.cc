@@ -34,13 +34,19 @@ std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<Checksu
     const uint64_t e = units[i].offset + units[i].length;
     max_end[i] = (i > 0 && units[i - 1].file == units[i].file) ? std::max(max_end[i - 1], e) : e;
   }
-  // Per unit: read whole by one fragment, or the best checker so far (most bytes inside).
+  // Per unit and machine that reads it: read whole by one fragment, or the best checker so far
+  // (most bytes inside). Every machine checks the units its ranks read: each may read its own
+  // copy of the files (node-local disks), so one machine's check says nothing of another's.
   struct Best {
-    bool whole = false, touched = false;
+    int32_t machine = 0;
+    bool whole = false;
     uint64_t bytes = 0;
     int32_t checker = 0;
   };
-  std::vector<Best> best(units.size());
+  std::vector<std::vector<Best>> best(units.size());
+  auto machine_of = [&](int32_t rank) {
+    return plan.rank_machine.empty() || rank < 0 || size_t(rank) >= plan.rank_machine.size() ? 0 : plan.rank_machine[size_t(rank)];
+  };
   // One read of `box` at byte_base with `strides` by rank `reader`: which units it touches.
   auto touch = [&](int32_t file, uint64_t byte_base, const Box& box, const std::array<int64_t, kMaxDims>& strides,
                    DType dtype, int32_t reader) {
@@ -59,8 +65,13 @@ std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<Checksu
       const size_t i = --n;
       const uint64_t ulo = units[i].offset, uhi = units[i].offset + units[i].length;
       if (uhi <= lo) continue;
-      Best& b = best[i];
-      b.touched = true;
+      const int32_t m = machine_of(reader);
+      auto it = std::find_if(best[i].begin(), best[i].end(), [&](const Best& x) { return x.machine == m; });
+      if (it == best[i].end()) {
+        best[i].push_back(Best{m, false, 0, reader});
+        it = best[i].end() - 1;
+      }
+      Best& b = *it;
       if (dense && ulo == lo && uhi == hi) b.whole = true;
       const uint64_t inside = std::min(hi, uhi) - std::max(lo, ulo);
       if (inside > b.bytes) {
@@ -78,8 +89,10 @@ std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<Checksu
     }
   }
   std::vector<ChecksumCheck> out;
-  for (size_t i = 0; i < units.size(); ++i)
-    if (best[i].touched) out.push_back({units[i], best[i].checker, !best[i].whole});
+  for (size_t i = 0; i < units.size(); ++i) {
+    std::sort(best[i].begin(), best[i].end(), [](const Best& a, const Best& b) { return a.machine < b.machine; });
+    for (const Best& b : best[i]) out.push_back({units[i], b.checker, !b.whole});
+  }
   return out;
 }
 

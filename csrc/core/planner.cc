@@ -624,8 +624,16 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   std::vector<Proto> cut;
   cut.reserve(protos.size());
   // Dense source ranges the budget cuts although the layout change reads them whole: verify="free"
-  // checks them in the pre-flight (Plan::budget_splits, checkers chosen below).
-  std::vector<std::tuple<int32_t, uint64_t, uint64_t>> split_ranges;  // (file, byte_base, bytes)
+  // checks them in the pre-flight (Plan::budget_splits, checkers chosen below). Keyed by the
+  // authoritative range the fragments read; under policy average the replica copies read with
+  // it are listed too (they are read chunk by chunk as well).
+  struct SplitRange {
+    int32_t file;
+    uint64_t base, bytes;
+    bool operator<(const SplitRange& o) const { return std::tie(file, base, bytes) < std::tie(o.file, o.base, o.bytes); }
+    bool operator==(const SplitRange& o) const { return file == o.file && base == o.base && bytes == o.bytes; }
+  };
+  std::map<std::pair<int32_t, uint64_t>, std::pair<uint64_t, std::vector<SplitRange>>> split_ranges;  // auth (file, base) -> (bytes, ranges)
   std::function<void(Proto&&, bool)> split = [&](Proto&& p, bool top) {
     const SrcPiece& sp = src_piece(p.src);
     const uint64_t es = dtype_size(sp.dtype);
@@ -654,7 +662,16 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
       cut.push_back(std::move(p));
       return;
     }
-    if (top && box_is_dense(p.box, sp.strides)) split_ranges.emplace_back(sp.file, sub_byte_base(sp, p.box), bytes);
+    if (top && box_is_dense(p.box, sp.strides)) {
+      auto& e = split_ranges[{sp.file, sub_byte_base(sp, p.box)}];
+      e.first = std::max(e.first, bytes);
+      e.second.push_back({sp.file, sub_byte_base(sp, p.box), bytes});
+      if (has_replicas)
+        for_each_replica(p.src, p.box, [&](const SrcPiece& c, const Box& x) {
+          if (box_is_dense(x, c.strides))
+            e.second.push_back({c.file, sub_byte_base(c, x), uint64_t(x.numel()) * dtype_size(c.dtype)});
+        });
+    }
     // Split the outermost dim in source memory order that has more than one element.
     int best = -1;
     for (int d = 0; d < p.box.ndim; ++d)
@@ -809,23 +826,22 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   for (size_t i : order) sorted.push_back(plan.fragments[i]);
   plan.fragments.swap(sorted);
 
-  // Budget splits: one checker per split range and machine that reads it (a rank reading the
-  // range's first fragment: with dedup off every such rank reads its own copy and checks it).
+  // Budget splits: one checker per split range and machine whose ranks read any of its fragments
+  // (machines may each read their own copy of the files; with dedup off every reader reads its
+  // own), a rank of that machine that reads one.
   if (!split_ranges.empty()) {
-    std::sort(split_ranges.begin(), split_ranges.end());
-    split_ranges.erase(std::unique(split_ranges.begin(), split_ranges.end()), split_ranges.end());
-    std::map<std::pair<int32_t, uint64_t>, uint64_t> start;  // (file, byte_base) -> bytes
-    for (const auto& [file, base, bytes] : split_ranges) {
-      auto [it, fresh] = start.try_emplace({file, base}, bytes);
-      if (!fresh) it->second = std::max(it->second, bytes);
-    }
-    std::set<std::tuple<int32_t, uint64_t, int32_t>> seen;  // (file, byte_base, machine)
+    std::set<std::tuple<int32_t, uint64_t, int32_t>> seen;  // (file, base, machine)
     for (const Fragment& f : plan.fragments) {
-      auto it = start.find({f.file, f.byte_base});
-      if (it == start.end()) continue;
+      auto it = split_ranges.upper_bound({f.file, f.byte_base});
+      if (it == split_ranges.begin()) continue;
+      --it;
+      if (it->first.first != f.file || f.byte_base >= it->first.second + it->second.first) continue;
       const int32_t machine = node_local ? opt.rank_node[f.reader] : f.reader;
-      if (!seen.insert({f.file, f.byte_base, machine}).second) continue;
-      plan.budget_splits.push_back({f.file, f.byte_base, it->second, f.reader});
+      if (!seen.insert({f.file, it->first.second, machine}).second) continue;
+      std::vector<SplitRange> ranges = it->second.second;
+      std::sort(ranges.begin(), ranges.end());
+      ranges.erase(std::unique(ranges.begin(), ranges.end()), ranges.end());
+      for (const SplitRange& r : ranges) plan.budget_splits.push_back({r.file, r.base, r.bytes, f.reader});
     }
     std::sort(plan.budget_splits.begin(), plan.budget_splits.end(), [](const BudgetSplit& a, const BudgetSplit& b) {
       return std::tie(a.file, a.byte_base, a.checker) < std::tie(b.file, b.byte_base, b.checker);

@@ -162,6 +162,12 @@ struct Plan {
   std::vector<ReplicaCompare> replica_compares;
   std::vector<ReplicaSource> replica_sources;  // policy kAverage: indexed by Fragment::first_replica
   std::vector<BudgetSplit> budget_splits;      // sorted by (file, byte_base, checker)
+  /// The machine of each rank (load() fills it after planning, from node_of_ranks): ranks that
+  /// read the checkpoint through one page cache and one copy of its files. verify="full" gives
+  /// every unit one checker per machine whose ranks read it, since machines may each read their
+  /// own copy (node-local disks). Empty: one machine. Not part of hash() (the same all-gather
+  /// gives it to every rank).
+  std::vector<int32_t> rank_machine;
   int num_waves = 0;
   std::vector<RankStats> ranks;
   std::vector<std::string> notes;  // policies applied, rows dropped, weights from master, ...
@@ -222,12 +228,13 @@ bool box_is_dense(const Box& box, const std::array<int64_t, kMaxDims>& strides);
 int64_t box_span(const Box& box, const std::array<int64_t, kMaxDims>& strides);
 
 /// For verify="full": every checksum unit that a fragment of `plan` reads bytes of (its replica
-/// sources under policy average included), each with one checker: the reader of the fragment
-/// with the most bytes inside the unit (ties: the earlier fragment), so a unit read whole is
-/// checked by the rank that reads it and a cut unit's extra read is the smallest and stays on a
-/// machine that reads the unit anyway. `cut` marks the units no fragment reads whole and dense.
-/// Sorted by (file, offset). Units may overlap. Pure: no I/O; O(fragments x units touched +
-/// units log units).
+/// sources under policy average included), with one checker per machine whose ranks read it
+/// (Plan::rank_machine; each machine may read its own copy of the files): the reader of that
+/// machine's fragment with the most bytes inside the unit (ties: the earlier fragment), so a
+/// unit read whole is checked by the rank that reads it and a cut unit's extra read is the
+/// smallest and stays on a machine that reads the unit anyway. `cut` marks a unit that no
+/// fragment of that machine reads whole and dense. Sorted by (file, offset, machine). Units may
+/// overlap. Pure: no I/O; O(fragments x units touched + units log units).
 std::vector<ChecksumCheck> checksum_checks(const Plan& plan, std::vector<ChecksumUnit> units);
 
 /// Box difference a \ b as at most 2*ndim disjoint boxes.

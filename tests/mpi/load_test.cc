@@ -373,6 +373,112 @@ TEST(MpiLoad, FlippedByteInAPieceTheBudgetSplitsFailsEveryRankBeforeAnyWrite) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Machines may each read their own copy of a save (node-local disks). A corrupted piece in one
+// copy must fail the load on every rank before any write, under verify="full" (one checker per
+// unit and machine that reads it) and under verify="free" when the budget cuts the piece (one
+// pre-flight checker per cut piece and machine that reads any of it). A fresh-clone tester loaded
+// the corrupted values with both: the only checker was on the machine with the clean copy.
+// Ranks of odd rank read copy b (corrupted), the others copy a; they count as two machines. A
+// load may also succeed when no rank takes the piece's bytes from copy b; then every value must
+// be the clean copy's.
+TEST(MpiLoad, ACorruptedPieceInOneMachinesCopyFailsEveryRankBeforeAnyWrite) {
+  Communicator& comm = world();
+  const int K = comm.size();
+  if (K < 2) GTEST_SKIP() << "needs two machines";
+  std::string dir = shared_dir();
+  ModelConfig m = gqa_model();
+  m.hidden = 256;
+  m.ffn = 1024;
+  const std::string tensor = "layers.1.mlp.dense_4h_to_h.weight";  // 256 x 1024 bf16, 512 KiB
+  if (comm.rank() == 0) {
+    synth_checkpoint(dir + "/a", m, Topology::parse("tp=1,pp=1,dp=1,zero=1"), 3);
+    std::filesystem::copy(dir + "/a", dir + "/b", std::filesystem::copy_options::recursive);
+    EXPECT_TRUE(flip_byte_in_piece(dir + "/b", 0, StateKind::kWeight, tensor));
+  }
+  comm.barrier();
+  auto ckpt = open_checkpoint(dir + (comm.rank() % 2 ? "/b" : "/a"));
+  struct Case { std::string topo, verify; uint64_t budget; std::string says; };
+  const std::string dp = std::to_string(K);
+  std::vector<Case> cases = {
+      // every rank needs the whole piece; the budget cuts it
+      {"tp=1,pp=1,dp=" + dp + ",zero=1", "free", 128 * 1024,
+       "pieces the memory budget splits) failed before any live tensor was written"}};
+  // A tp split cuts the piece between ranks: only "full" checks it. With K even the odd ranks
+  // are tp rank 1, all on copy b, so one of them reads its half from copy b. (With K odd a rank
+  // of copy a may read the whole piece and send it: copy b's bytes are then never loaded.)
+  if (K % 2 == 0)
+    cases.push_back({"tp=2,pp=1,dp=" + std::to_string(K / 2) + ",zero=1", "full", uint64_t(1) << 30,
+                     "checksum check (verify=\"full\") failed before any live tensor was written"});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.topo + " verify=" + c.verify);
+    Layout target = derive_layout(m, Topology::parse(c.topo));
+    LoadOptions lo;
+    lo.verify = c.verify;
+    lo.plan.memory_budget = c.budget;
+    // What every rank must hold if the load succeeds: the clean copy's values.
+    auto clean = open_checkpoint(dir + "/a");
+    RankLive ref(target, comm.rank()), live(target, comm.rank());
+    load(*clean, target, ref.ptrs(), comm, lo);
+    std::string msg;
+    try {
+      load(*ckpt, target, live.ptrs(), comm, lo);
+      // Possible only if no rank took bytes of the piece from copy b (a rank of copy a read it
+      // and sent it): then every value is the clean one. With K = 2 rank 1 reads from copy b.
+      EXPECT_TRUE(live.mem == ref.mem) << "rank " << comm.rank() << " loaded values of the corrupted copy";
+      EXPECT_GT(K, 2) << "rank 1 reads part of the piece from copy b, and the load did not fail";
+    } catch (const Error& e) {
+      msg = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << msg;
+      EXPECT_NE(msg.find(c.says), std::string::npos) << msg;
+      EXPECT_NE(msg.find("/b/step-1/rank_00000.safetensors"), std::string::npos) << msg;
+      EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
+    }
+    std::vector<std::string> all = comm.all_gather_strings(msg);
+    for (const auto& x : all) EXPECT_EQ(x, all[0]);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Under replica policy "average" the other saved copies of a replicated tensor are read and
+// averaged in; when the budget cuts the tensor they are read chunk by chunk too, and were never
+// checked: a fresh-clone tester loaded a corrupted copy averaged in (|diff| 1e37). The pre-flight
+// now checks the replica copies of a cut piece as well.
+TEST(MpiLoad, ACorruptedReplicaAveragedInAPieceTheBudgetCutsFailsBeforeAnyWrite) {
+  Communicator& comm = world();
+  std::string dir = shared_dir();
+  ModelConfig m = gqa_model();
+  m.hidden = 256;
+  m.ffn = 1024;
+  m.max_position_embeddings = 1024;  // learned positions: [1024, 256] bf16, replicated over tp
+  const std::string tensor = "embedding.position_embeddings.weight";
+  if (comm.rank() == 0) {
+    synth_checkpoint(dir + "/ck", m, Topology::parse("tp=2,pp=1,dp=1,zero=1"), 4);
+    EXPECT_TRUE(flip_byte_in_piece(dir + "/ck", 1, StateKind::kWeight, tensor));  // tp rank 1's copy
+  }
+  comm.barrier();
+  auto ckpt = open_checkpoint(dir + "/ck");
+  Layout target = derive_layout(m, Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  RankLive live(target, comm.rank());
+  LoadOptions lo;
+  lo.plan.replica_policy = ReplicaPolicy::kAverage;
+  lo.plan.memory_budget = 128 * 1024;
+  std::string msg;
+  try {
+    load(*ckpt, target, live.ptrs(), comm, lo);
+    ADD_FAILURE() << "a corrupted replica was averaged into the loaded values";
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << msg;
+    EXPECT_NE(msg.find("failed before any live tensor was written"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank_00001.safetensors"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("xxh3 mismatch"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
   Communicator& comm = world();
   std::string dir = shared_dir();
