@@ -41,6 +41,9 @@ uint64_t parse_size(const std::string& s, const char* what) {
   else if (unit == "GB") mult = 1e9;
   else fail(ErrorCode::kInvalidArgument, what, " '", s, "': unknown unit '", unit, "' (B, KiB, MiB, GiB, KB, MB, GB)");
   if (!(v > 0)) fail(ErrorCode::kInvalidArgument, what, " '", s, "' must be positive");
+  // 2^64 and above would wrap (a tester's 18446744073709551616 became "0 bytes").
+  if (!(v * mult < 18446744073709551616.0))
+    fail(ErrorCode::kInvalidArgument, what, " '", s, "' is too large (at most 2^64 - 1 bytes)");
   return uint64_t(v * mult);
 }
 

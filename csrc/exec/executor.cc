@@ -348,7 +348,9 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       if (!msg.empty())
         fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
              " (replica policy 'error', atol ", atol,
-             "; choose policy 'first' or 'average', or a tolerance, to load anyway); no live tensor was written");
+             "; if `reshard verify` finds a checksum mismatch in a copy, the copy is damaged: restore the "
+         "file; if not, the copies diverged in training: choose policy 'first' or 'average', or a tolerance, to "
+         "load anyway); no live tensor was written");
     } else {
       for (const auto& s : comm.all_gather_strings(dmsg))
         if (!s.empty()) report.push_back(s);

@@ -99,6 +99,15 @@ def test_synth_refuses_a_negative_seed(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+@pytest.mark.parametrize("budget", ["18446744073709551616", "1e30GiB", "inf"])
+def test_a_memory_budget_too_large_for_64_bits_is_refused(budget):
+    """It used to wrap: a tester's 2^64 became "memory budget 0 bytes is below the minimum"."""
+    r = run("plan", "--model", ROOT / "configs/models/tiny-gpt.yaml", "--source", "tp=1", "--target", "tp=2",
+            "--memory-budget", budget)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--memory-budget '{budget}' is too large" in r.stderr, r.stderr
+
+
 def test_bad_model_file_names_field(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text("name: x\nnum_layers: 2\nhidden: 64\nheads: 6\nvocab: 100\n")
