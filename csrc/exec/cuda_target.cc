@@ -24,6 +24,7 @@
 #include "exec/executor.h"
 #include "reshard/cuda.h"
 #include "reshard/error.h"
+#include "reshard/reshard.h"
 #include "reshard/simulate.h"
 #include "reshard/strided.h"
 
@@ -519,6 +520,10 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
   cs.device = device;
 
   Plan plan = plan_load(ckpt, target, options.plan, &r.plan_seconds);
+  // verify="full" checks each unit once per machine whose ranks read it (machines may read their
+  // own copies of the files): the same machines as load() finds (one all-gather).
+  if (comm.size() > 1)
+    plan.rank_machine = options.plan.rank_node.empty() ? node_of_ranks(comm, ckpt) : options.plan.rank_node;
 
   // Direct when no fragment crosses ranks, on every rank.
   int crosses = 0;
