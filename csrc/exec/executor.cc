@@ -141,6 +141,29 @@ std::string parallel_for(size_t n, int threads, Fn fn) {
   return first_error;
 }
 
+// Address of element `at` of live buffer `buffer` (this rank's memory for it).
+uint8_t* live_at(const Layout& target, const std::vector<void*>& buffers, int32_t buffer, int64_t at) {
+  return static_cast<uint8_t*>(buffers[size_t(buffer)]) + at * int64_t(dtype_size(target.buffers[size_t(buffer)].dtype));
+}
+
+// A box of the same shape at the origin (a fragment's box relative to its own start).
+Box at_origin(Box b) {
+  for (int d = 0; d < b.ndim; ++d) b.off[d] = 0;
+  return b;
+}
+
+// Overwrites rank `me`'s live copies of fragment `f` (its deliveries to `me`) with poison (NaN;
+// all-ones bytes for non-float dtypes): what a failed checksum leaves in a live tensor.
+void poison_live_copies(const Plan& plan, const Layout& target, const std::vector<void*>& buffers, int me,
+                        const Fragment& f) {
+  const Box rel = at_origin(f.box);
+  for (uint32_t j = 0; j < f.num_deliveries; ++j) {
+    const Delivery& dv = plan.deliveries[f.first_delivery + j];
+    if (dv.rank != me) continue;
+    fill_poison_box(live_at(target, buffers, dv.buffer, dv.base), target.buffers[dv.buffer].dtype, rel, dv.strides);
+  }
+}
+
 // Distinct ranks other than the reader that receive a fragment.
 int remote_ranks(const Plan& plan, const Fragment& f) {
   int n = 0, last = -1;
@@ -171,8 +194,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
     std::ostringstream problems;
     std::vector<uint64_t> need_end(src.files.size(), 0);
     auto note_range = [&](int32_t file, uint64_t base, DType dt, const Box& box, const std::array<int64_t, kMaxDims>& strides) {
-      Box rel = box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      const Box rel = at_origin(box);
       for_each_run(rel, strides, [&](int64_t off, int64_t cnt, int64_t) {
         need_end[file] = std::max(need_end[file], base + uint64_t(off + cnt) * dtype_size(dt));
       });
@@ -396,10 +418,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // fragment.
   for (const Fill& f : plan.fills) {
     if (f.rank != me) continue;
-    const Buffer& b = target.buffers[f.buffer];
-    Box rel = f.extent;
-    for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-    fill_zero_box(static_cast<uint8_t*>(buffers[f.buffer]) + f.base * int64_t(dtype_size(b.dtype)), b.dtype, rel, f.strides);
+    const Box rel = at_origin(f.extent);
+    fill_zero_box(live_at(target, buffers, f.buffer, f.base), target.buffers[f.buffer].dtype, rel, f.strides);
     written = true;
     wrote(f.buffer, rel.numel());
   }
@@ -434,8 +454,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     std::unique_ptr<RangeCheck> chk = source.begin_check(f.file, f.byte_base, f.bytes());
     RESHARD_CHECK(chk != nullptr, "a range with a stored checksum has a check");
     const size_t es = dtype_size(f.src_dtype);
-    Box rel = f.box;
-    for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+    const Box rel = at_origin(f.box);
     for_each_slab(rel, int64_t(kCheckSlabBytes / es), [&](const Box& slab, int64_t packed) {
       // The fragment is dense in file order, so a slab's packed offset is its offset in memory.
       const uint64_t off = uint64_t(packed) * es, n = uint64_t(slab.numel()) * es;
@@ -488,18 +507,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     bool armed = true;
     ~PoisonTwinsOnFailure() {
       if (!armed) return;
-      for (size_t i : copied) {
-        const Fragment& f = plan.fragments[i];
-        Box rel = f.box;
-        for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-        for (uint32_t j = 0; j < f.num_deliveries; ++j) {
-          const Delivery& dv = plan.deliveries[f.first_delivery + j];
-          if (dv.rank != me) continue;
-          const Buffer& b = target.buffers[dv.buffer];
-          fill_poison_box(static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)), b.dtype,
-                          rel, dv.strides);
-        }
-      }
+      for (size_t i : copied) poison_live_copies(plan, target, buffers, me, plan.fragments[i]);
     }
   } unchecked_twins{plan, target, buffers, me, {}};
   for (int w = 0; w < plan.num_waves; ++w) {
@@ -591,7 +599,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       const Fragment& f = plan.fragments[m.frag];
       if (m.direct) {
         const Delivery& dv = plan.deliveries[f.first_delivery];
-        m.dst = static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(target.buffers[dv.buffer].dtype));
+        m.dst = live_at(target, buffers, dv.buffer, dv.base);
       } else if (m.peer >= 0) {
         m.dst = sendbuf + send_displs[m.peer] + m.off;
       } else if (m.src && !m.fan) {
@@ -617,8 +625,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
       const Mine& m = mine[k];
       const Fragment& f = plan.fragments[m.frag];
-      Box rel = f.box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      const Box rel = at_origin(f.box);
       if (m.src) {
         // Checked out of the mapping, slab by slab as it is packed into its send slot or staging
         // (the slab is hashed, then copied from cache: one pass over memory); nothing packed
@@ -715,9 +722,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       }
       const Delivery& dv = plan.deliveries[c.peer_or_delivery];
       const Buffer& b = target.buffers[dv.buffer];
-      Box rel = f.box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-      uint8_t* dst = static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype));
+      const Box rel = at_origin(f.box);
+      uint8_t* dst = live_at(target, buffers, dv.buffer, dv.base);
       if (c.src_strided) {
         copy_box(c.src, f.src_dtype, f.src_strides, dst, b.dtype, dv.strides, rel, Store::kStream);
       } else {
@@ -761,22 +767,13 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
           const Buffer& b = target.buffers[dv.buffer];
           int64_t at = dv.base;
           for (int d = 0; d < slab.ndim; ++d) at += slab.off[d] * dv.strides[d];
-          Box shape = slab;
-          for (int d = 0; d < shape.ndim; ++d) shape.off[d] = 0;
-          copy_box(c0.src + off, f.src_dtype, f.src_strides,
-                   static_cast<uint8_t*>(buffers[dv.buffer]) + at * int64_t(dtype_size(b.dtype)), b.dtype, dv.strides,
-                   shape, Store::kStream);
+          copy_box(c0.src + off, f.src_dtype, f.src_strides, live_at(target, buffers, dv.buffer, at), b.dtype, dv.strides,
+                   at_origin(slab), Store::kStream);
         }
       });
       if (bad.empty()) return;
-      Box rel = f.box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-      for (size_t k = first; k < first + count; ++k) {
-        const Delivery& dv = plan.deliveries[copies[to_live[k]].peer_or_delivery];
-        const Buffer& b = target.buffers[dv.buffer];
-        fill_poison_box(static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)), b.dtype, rel,
-                        dv.strides);
-      }
+      // The task holds every local delivery of the fragment.
+      poison_live_copies(plan, target, buffers, me, f);
       throw Error(ErrorCode::kDataLoss, bad + "; the piece's live copy was overwritten with NaN");
     };
     std::string lerr;
@@ -848,9 +845,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       const Fragment& f = plan.fragments[rx_frag[k]];
       const Delivery& dv = plan.deliveries[rx[k].second];
       const Buffer& b = target.buffers[dv.buffer];
-      Box rel = f.box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
-      unpack_box(rx[k].first, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
+      const Box rel = at_origin(f.box);
+      unpack_box(rx[k].first, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base),
                  b.dtype, rel, dv.strides, Store::kStream);
     });
     for (size_t k = 0; k < rx.size(); ++k) {
@@ -894,13 +890,12 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
              "were partly written; the live state is unusable and the trainer must abort: ", e.what());
       }
       if (f.reader == me) continue;  // the reader's own deliveries were scattered from staging
-      Box rel = f.box;
-      for (int d = 0; d < rel.ndim; ++d) rel.off[d] = 0;
+      const Box rel = at_origin(f.box);
       for (uint32_t j = 0; j < f.num_deliveries; ++j) {
         const Delivery& dv = plan.deliveries[f.first_delivery + j];
         if (dv.rank != me) continue;
         const Buffer& b = target.buffers[dv.buffer];
-        unpack_box(data, f.src_dtype, static_cast<uint8_t*>(buffers[dv.buffer]) + dv.base * int64_t(dtype_size(b.dtype)),
+        unpack_box(data, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base),
                    b.dtype, rel, dv.strides, Store::kStream);
         written = true;
         wrote(dv.buffer, rel.numel());
