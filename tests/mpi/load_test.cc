@@ -41,6 +41,21 @@ ModelConfig gqa_model() {  // tiny-gpt: padded vocab 256 at tp 1, 2, 4
   return m;
 }
 
+// gqa_model with pieces larger than the smallest memory budgets: hidden 256, ffn 1024 (the SwiGLU
+// gate/up weight is 2048 x 256 bf16, 1 MiB; dense_4h_to_h 256 x 1024, 512 KiB).
+ModelConfig mid_model() {
+  ModelConfig m = gqa_model();
+  m.hidden = 256;
+  m.ffn = 1024;
+  return m;
+}
+
+// Every rank ended with the same error message (or none): a failure agreed across ranks.
+void expect_same_on_every_rank(Communicator& comm, const std::string& msg) {
+  const std::vector<std::string> all = comm.all_gather_strings(msg);
+  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+}
+
 ModelConfig padded_model() {  // vocab 100 padded to 104 / 112 / 128 at tp 1 / 2 / 4; tied; MHA
   ModelConfig m;
   m.name = "tied-mha";
@@ -320,8 +335,7 @@ TEST(MpiLoad, RanksThatOpenedDifferentStepsFailEveryRankBeforeAnyWrite) {
     EXPECT_NE(msg.find("on rank(s) " + std::to_string(comm.size() - 1)), std::string::npos) << msg;
   }
   EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
-  std::vector<std::string> all = comm.all_gather_strings(msg);
-  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  expect_same_on_every_rank(comm, msg);
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
@@ -335,9 +349,7 @@ TEST(MpiLoad, FlippedByteInAPieceTheBudgetSplitsFailsEveryRankBeforeAnyWrite) {
   Communicator& comm = world();
   std::string dir = shared_dir();
   const std::string root = dir + "/ckpt";
-  ModelConfig m = gqa_model();
-  m.hidden = 256;
-  m.ffn = 1024;  // the SwiGLU gate/up weight: 2048 x 256 bf16, 1 MiB in one piece
+  const ModelConfig m = mid_model();  // the SwiGLU gate/up weight is 1 MiB in one piece
   const std::string tensor = "layers.0.mlp.dense_h_to_4h.weight";
   if (comm.rank() == 0) {
     synth_checkpoint(root, m, Topology::parse("tp=1,pp=1,dp=1,zero=1"), 9);
@@ -366,8 +378,7 @@ TEST(MpiLoad, FlippedByteInAPieceTheBudgetSplitsFailsEveryRankBeforeAnyWrite) {
       EXPECT_NE(msg.find("xxh3 mismatch"), std::string::npos) << msg;
     }
     EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
-    std::vector<std::string> all = comm.all_gather_strings(msg);
-    for (const auto& x : all) EXPECT_EQ(x, all[0]);
+    expect_same_on_every_rank(comm, msg);
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
@@ -386,9 +397,7 @@ TEST(MpiLoad, ACorruptedPieceInOneMachinesCopyFailsEveryRankBeforeAnyWrite) {
   const int K = comm.size();
   if (K < 2) GTEST_SKIP() << "needs two machines";
   std::string dir = shared_dir();
-  ModelConfig m = gqa_model();
-  m.hidden = 256;
-  m.ffn = 1024;
+  const ModelConfig m = mid_model();
   const std::string tensor = "layers.1.mlp.dense_4h_to_h.weight";  // 256 x 1024 bf16, 512 KiB
   if (comm.rank() == 0) {
     synth_checkpoint(dir + "/a", m, Topology::parse("tp=1,pp=1,dp=1,zero=1"), 3);
@@ -433,8 +442,7 @@ TEST(MpiLoad, ACorruptedPieceInOneMachinesCopyFailsEveryRankBeforeAnyWrite) {
       EXPECT_NE(msg.find("/b/step-1/rank_00000.safetensors"), std::string::npos) << msg;
       EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
     }
-    std::vector<std::string> all = comm.all_gather_strings(msg);
-    for (const auto& x : all) EXPECT_EQ(x, all[0]);
+    expect_same_on_every_rank(comm, msg);
   }
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
@@ -447,9 +455,7 @@ TEST(MpiLoad, ACorruptedPieceInOneMachinesCopyFailsEveryRankBeforeAnyWrite) {
 TEST(MpiLoad, ACorruptedReplicaAveragedInAPieceTheBudgetCutsFailsBeforeAnyWrite) {
   Communicator& comm = world();
   std::string dir = shared_dir();
-  ModelConfig m = gqa_model();
-  m.hidden = 256;
-  m.ffn = 1024;
+  ModelConfig m = mid_model();
   m.max_position_embeddings = 1024;  // learned positions: [1024, 256] bf16, replicated over tp
   const std::string tensor = "embedding.position_embeddings.weight";
   if (comm.rank() == 0) {
@@ -536,8 +542,7 @@ TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
     EXPECT_NE(msg.find("rank_00000.safetensors"), std::string::npos) << msg;
   }
   // Every rank saw the same failure.
-  std::vector<std::string> all = comm.all_gather_strings(msg);
-  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  expect_same_on_every_rank(comm, msg);
   // No rank keeps a value of the failing piece. All ranks here share one machine, so one of them
   // checks the piece and the others copy the same page-cache bytes unchecked
   // (Fragment::reread_on_node); those copies must be poisoned too. Each element of the piece's
@@ -601,8 +606,7 @@ TEST(MpiLoad, FlippedByteInAPieceSentToOtherRanksFailsBeforeTheExchange) {
     EXPECT_NE(msg.find("reading wave"), std::string::npos) << "checked in the read step: " << msg;
     EXPECT_NE(msg.find("xxh3 mismatch"), std::string::npos) << msg;
   }
-  std::vector<std::string> all = comm.all_gather_strings(msg);
-  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  expect_same_on_every_rank(comm, msg);
   for (size_t b = 0; b < target.buffers.size(); ++b)
     if (target.buffers[b].name == "weight/" + tensor && target.buffers[b].rank == comm.rank()) {
       for (uint8_t x : live.mem[b]) ASSERT_EQ(x, 0xAB) << "rank " << comm.rank() << " received part of the bad piece";
@@ -684,8 +688,7 @@ TEST(MpiLoad, FullVerifyChecksPiecesCutBetweenRanksBeforeAnyWrite) {
     EXPECT_NE(msg.find("before any live tensor was written"), std::string::npos) << msg;
     EXPECT_TRUE(live.untouched()) << "a live byte was written";
   }
-  std::vector<std::string> all = comm.all_gather_strings(msg);
-  for (const auto& m : all) EXPECT_EQ(m, all[0]);
+  expect_same_on_every_rank(comm, msg);
   comm.barrier();
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
@@ -698,9 +701,7 @@ TEST(MpiLoad, NoSourcePageStaysMappedAfterALoad) {
   const int K = comm.size();
   std::string dir = shared_dir();
   const std::string root = dir + "/ckpt";
-  ModelConfig m = gqa_model();
-  m.hidden = 256;
-  m.ffn = 1024;
+  const ModelConfig m = mid_model();
   if (comm.rank() == 0) synth_checkpoint(root, m, Topology::parse("tp=1,pp=1,dp=1,zero=1"), 17);
   comm.barrier();
   auto ckpt = open_checkpoint(root);

@@ -61,6 +61,19 @@ ModelConfig random_model(std::mt19937_64& rng) {
   return m;
 }
 
+// A GPT of 8 heads, vocab padded to a multiple of 8, with the given sizes.
+ModelConfig gpt(const std::string& name, int layers, int hidden, int ffn, int64_t vocab) {
+  ModelConfig m;
+  m.name = name;
+  m.num_layers = layers;
+  m.hidden = hidden;
+  m.heads = 8;
+  m.ffn = ffn;
+  m.vocab = vocab;
+  m.vocab_divisible_by = 8;
+  return m;
+}
+
 Topology random_topo(std::mt19937_64& rng) {
   auto pick = [&](std::initializer_list<int> v) { return *(v.begin() + rng() % v.size()); };
   Topology t;
@@ -278,14 +291,7 @@ TEST(PlannerProperty, PlansAreDeterministic) {
 // Where the budget does cut a piece that the layout reads whole, the plan lists it for the
 // pre-flight check.
 TEST(PlannerBudget, NodeLocalReadsCutPiecesOnlyForSendsThatHappen) {
-  ModelConfig m;
-  m.name = "cut";
-  m.num_layers = 1;
-  m.hidden = 256;
-  m.heads = 8;
-  m.ffn = 1024;
-  m.vocab = 512;
-  m.vocab_divisible_by = 8;
+  const ModelConfig m = gpt("cut", 1, 256, 1024, 512);
   DeriveOptions so;
   so.weights_on_dp0_only = true;
   Layout A = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"), so);
@@ -328,14 +334,7 @@ TEST(PlannerBudget, NodeLocalReadsCutPiecesOnlyForSendsThatHappen) {
 }
 
 TEST(PlannerProperty, MemoryBudgetBoundsEveryWave) {
-  ModelConfig m;
-  m.name = "budget";
-  m.num_layers = 2;
-  m.hidden = 128;
-  m.heads = 8;
-  m.ffn = 512;
-  m.vocab = 1000;
-  m.vocab_divisible_by = 8;
+  const ModelConfig m = gpt("budget", 2, 128, 512, 1000);
   Topology a = Topology::parse("tp=2,dp=2,zero=1"), b = Topology::parse("tp=1,dp=3,zero=1");
   for (uint64_t budget : {kMinMemoryBudget, uint64_t(256 * 1024), uint64_t(4 << 20)})
   for (ReplicaPolicy policy : {ReplicaPolicy::kError, ReplicaPolicy::kAverage}) {
