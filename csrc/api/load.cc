@@ -1,5 +1,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
@@ -110,21 +111,15 @@ std::vector<int32_t> node_of_ranks(Communicator& comm, const CheckpointReader& c
   if (::stat(ckpt.path().c_str(), &st) == 0)
     me += "#" + std::to_string(uint64_t(st.st_dev)) + ":" + std::to_string(uint64_t(st.st_ino));
   // And the data files themselves (a file bind-mounted or renamed over one of them is another
-  // copy): FNV-1a over each file's device and inode, in file order.
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](uint64_t v) {
-    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
-  };
+  // copy): xxh3-64 of each file's device and inode, in file order (all ones where stat fails).
+  std::vector<uint64_t> ids;
   for (const std::string& f : ckpt.source().files) {
     struct stat fs {};
-    if (::stat(f.c_str(), &fs) == 0) {
-      mix(uint64_t(fs.st_dev));
-      mix(uint64_t(fs.st_ino));
-    } else {
-      mix(~uint64_t(0));
-    }
+    const bool ok = ::stat(f.c_str(), &fs) == 0;
+    ids.push_back(ok ? uint64_t(fs.st_dev) : ~uint64_t(0));
+    ids.push_back(ok ? uint64_t(fs.st_ino) : ~uint64_t(0));
   }
-  me += "#" + std::to_string(h);
+  me += "#" + std::to_string(XXH3_64bits(ids.data(), ids.size() * sizeof(uint64_t)));
   std::vector<std::string> all = comm.all_gather_strings(me);
   std::vector<int32_t> node(all.size(), 0);
   std::vector<std::string> seen;

@@ -830,6 +830,10 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   // (machines may each read their own copy of the files; with dedup off every reader reads its
   // own), a rank of that machine that reads one.
   if (!split_ranges.empty()) {
+    for (auto& [key, entry] : split_ranges) {  // with dedup off, several protos list one range
+      std::sort(entry.second.begin(), entry.second.end());
+      entry.second.erase(std::unique(entry.second.begin(), entry.second.end()), entry.second.end());
+    }
     std::set<std::tuple<int32_t, uint64_t, int32_t>> seen;  // (file, base, machine)
     for (const Fragment& f : plan.fragments) {
       auto it = split_ranges.upper_bound({f.file, f.byte_base});
@@ -838,10 +842,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
       if (it->first.first != f.file || f.byte_base >= it->first.second + it->second.first) continue;
       const int32_t machine = node_local ? opt.rank_node[f.reader] : f.reader;
       if (!seen.insert({f.file, it->first.second, machine}).second) continue;
-      std::vector<SplitRange> ranges = it->second.second;
-      std::sort(ranges.begin(), ranges.end());
-      ranges.erase(std::unique(ranges.begin(), ranges.end()), ranges.end());
-      for (const SplitRange& r : ranges) plan.budget_splits.push_back({r.file, r.base, r.bytes, f.reader});
+      for (const SplitRange& r : it->second.second) plan.budget_splits.push_back({r.file, r.base, r.bytes, f.reader});
     }
     std::sort(plan.budget_splits.begin(), plan.budget_splits.end(), [](const BudgetSplit& a, const BudgetSplit& b) {
       return std::tie(a.file, a.byte_base, a.checker) < std::tie(b.file, b.byte_base, b.checker);

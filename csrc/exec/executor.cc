@@ -254,7 +254,8 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       const std::string h = hs.str();
       // Which checkpoint: the reader's fingerprint and the iteration decide; the folder is named
       // in the message only (machines may mount it at different paths).
-      const std::string id = source.fingerprint() + "/iteration=" + std::to_string(source.state().iteration);
+      const std::string fingerprint = source.fingerprint().empty() ? "none" : source.fingerprint();
+      const std::string id = fingerprint + ", iteration " + std::to_string(source.state().iteration);
       std::string folder = source.path();
       for (char& c : folder)
         if (c == '\t' || c == '\n') c = '?';
@@ -282,9 +283,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
             g->second += "," + std::to_string(r);
             continue;
           }
-          const size_t slash = x.id.rfind("/iteration=");
-          groups.push_back({x.id, x.folder + " (" + x.id.substr(slash + 1) + ", fingerprint " +
-                                      (slash ? x.id.substr(0, slash) : "none") + ") on rank(s) " + std::to_string(r)});
+          groups.push_back({x.id, x.folder + " (fingerprint " + x.id + ") on rank(s) " + std::to_string(r)});
         }
         if (groups.size() > 1) {
           std::string msg;
@@ -370,9 +369,9 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
       if (!msg.empty())
         fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
              " (replica policy 'error', atol ", atol,
-             "; if `reshard verify` finds a checksum mismatch in a copy, the copy is damaged: restore the "
-         "file; if not, the copies diverged in training: choose policy 'first' or 'average', or a tolerance, to "
-         "load anyway); no live tensor was written");
+             "; if `reshard verify` finds a checksum mismatch in a copy, the copy is damaged: restore the file; "
+             "if not, the copies diverged in training: choose policy 'first' or 'average', or a tolerance, to load "
+             "anyway); no live tensor was written");
     } else {
       for (const auto& s : comm.all_gather_strings(dmsg))
         if (!s.empty()) report.push_back(s);
