@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything reshard checks on a GPU machine, in one run (docs/gpu.md):
 #   1. unpack the build dependencies carried in .gpu_deps/ (Debian 12 .debs: yaml-cpp, gtest,
-#      nlohmann-json, CLI11, xxhash, pkgconf; the machine has no package index) into a prefix;
+#      nlohmann-json, simdjson, CLI11, xxhash, pkgconf; the machine has no package index) into a prefix;
 #   2. configure + build the CUDA/NCCL targets (reshard_gpu) against the machine's CUDA, NCCL
 #      (python3's site-packages nvidia/nccl) and OpenMPI;
 #   3. GPU tests: NCCL communicator at world size 1, CUDA targets vs CPU loads, bitwise;

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 APT_PACKAGES=(build-essential cmake pkg-config openmpi-bin libopenmpi-dev libyaml-cpp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libxxhash-dev zlib1g-dev libdeflate-dev
+  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libsimdjson-dev libcli11-dev libxxhash-dev zlib1g-dev libdeflate-dev
   fortunes-min fortunes)
 
 need_apt=0

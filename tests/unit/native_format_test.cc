@@ -400,10 +400,75 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   store_json(meta, j);
   msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
   EXPECT_HAS(msg, "field 'topology' is missing");
-  // Not JSON at all.
-  { std::ofstream(meta, std::ios::trunc) << "{ nope"; }
+  // Not JSON at all: the message says where (nlohmann's line and column).
+  { std::ofstream(meta, std::ios::trunc) << "{\n \"format\": nope}"; }
   msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
   EXPECT_HAS(msg, "metadata.json is not valid JSON");
+  EXPECT_HAS(msg, "line 2, column");
+  // An integer past int64 is refused naming its field, not wrapped to a negative size.
+  j = fresh();
+  j["buffers"][1]["numel"] = uint64_t(1) << 63;
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'buffers[1].numel': integer out of range");
+  // A negative file size.
+  j = fresh();
+  j["files"][0]["bytes"] = -5;
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'files[0].bytes': must not be negative");
+  // A float where an integer belongs.
+  j = fresh();
+  j["pieces"][3]["base"] = 1.5;
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'pieces[3].base': expected an integer");
+  // A piece without its checksum (deleted, emptied, not hex): refused at open, since a piece with
+  // no checksum would load unchecked even under verify="full" (helper report, session 8).
+  for (const json& bad : {json(nullptr), json(""), json("D432FF013EDDF4C8"), json("d432ff01")}) {
+    j = fresh();
+    if (bad.is_null()) j["pieces"][5].erase("xxh3");
+    else j["pieces"][5]["xxh3"] = bad;
+    store_json(meta, j);
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, "field 'pieces[5].xxh3'");
+    EXPECT_HAS(msg, "16 lowercase hex digits");
+  }
+  j = fresh();
+  j["checksum"] = "md5";
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kUnsupported, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'checksum' is 'md5'");
+  // Two pieces over the same elements of one buffer, each with a matching checksum (the second
+  // given the first's base and checksum): one tensor's values would load into another.
+  j = fresh();
+  {
+    int a = -1, b = -1;
+    for (int k = 0; k < int(j["pieces"].size()) && b < 0; ++k) {
+      const json& p = j["pieces"][k];
+      if (a < 0) a = k;
+      else if (p["buffer"] == j["pieces"][a]["buffer"] && p["len"] == j["pieces"][a]["len"]) b = k;
+      else if (p["buffer"] != j["pieces"][a]["buffer"]) a = k;
+    }
+    ASSERT_GE(b, 0) << "no two pieces of one shape in one buffer";
+    j["pieces"][b]["base"] = j["pieces"][a]["base"];
+    j["pieces"][b]["xxh3"] = j["pieces"][a]["xxh3"];
+    store_json(meta, j);
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, "overlap pieces[" + std::to_string(a) + "]");
+    EXPECT_HAS(msg, "never share an element");
+  }
+  // Non-tensor state: counters below -1 (unknown) and a json that is not an object.
+  j = fresh();
+  j["state"]["iteration"] = -7;
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'state.iteration': must be -1 (unknown) or more");
+  j = fresh();
+  j["state"]["json"] = json::array({1, 2});
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "field 'state.json': expected an object");
   // A newer format version.
   j = fresh();
   j["format_version"] = 2;

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/native/layout_json.h"
+#include "formats/native/native_internal.h"
 #include "io/file.h"
 #include "reshard/error.h"
 #include "reshard/strided.h"
@@ -475,7 +476,8 @@ TEST(ReliabilityReplicas, DifferingReplicaPolicies) {
     auto ck = open_checkpoint(c.root);
     const auto& s = ck->source();
     // The first replicated 16-bit weight on tp rank 1: bump one element's low mantissa bit and
-    // drop its piece's checksum, so it is a replica that differs, not a corrupt file.
+    // store its piece's new checksum, so it is a replica that differs (diverged in training), not
+    // a corrupt file.
     int buf = -1;
     for (size_t b = 0; b < s.layout.buffers.size() && buf < 0; ++b) {
       const Buffer& B = s.layout.buffers[b];
@@ -494,8 +496,14 @@ TEST(ReliabilityReplicas, DifferingReplicaPolicies) {
     testing::flip_bits(c.file(1), s.locations[buf].byte_offset, 0x01);
     const std::string meta = io::join(c.step(), "metadata.json");
     json j = load_json(meta);
-    for (auto& p : j["pieces"])
-      if (p["buffer"].get<int>() == buf) p.erase("xxh3");
+    const std::string data = io::read_text(c.file(1));
+    for (size_t k = 0; k < s.layout.pieces.size(); ++k) {
+      const Piece& p = s.layout.pieces[k];
+      if (p.buffer != buf) continue;
+      const size_t es = dtype_size(s.layout.buffers[size_t(buf)].dtype);
+      j["pieces"][k]["xxh3"] = native::xxh3_hex(data.data() + s.locations[size_t(buf)].byte_offset + uint64_t(p.base) * es,
+                                                uint64_t(native::piece_span(p)) * es);
+    }
     store_json(meta, j);
   }
   auto ck = open_checkpoint(c.root);

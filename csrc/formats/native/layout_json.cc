@@ -1,8 +1,12 @@
 #include "formats/native/layout_json.h"
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 
+#include "formats/native/native_internal.h"
 #include "reshard/error.h"
+#include "reshard/native.h"
 #include "reshard/plan.h"
 
 namespace reshard::native {
@@ -14,52 +18,101 @@ void Field::bad(const std::string& why) const {
   fail(ErrorCode::kDataLoss, file_, ": field '", path_.empty() ? "<root>" : path_, "': ", why);
 }
 
-Field Field::operator[](const std::string& key) const {
-  if (!j_.is_object()) bad("expected an object");
-  auto it = j_.find(key);
-  if (it == j_.end()) {
-    std::string p = path_.empty() ? key : path_ + "." + key;
-    fail(ErrorCode::kDataLoss, file_, ": field '", p, "' is missing");
-  }
-  return Field(*it, path_.empty() ? key : path_ + "." + key, file_);
+bool Field::has(std::string_view key) const {
+  simdjson::dom::object o;
+  simdjson::dom::element v;
+  return !e_.get_object().get(o) && !o.at_key(key).get(v);
+}
+
+Field Field::operator[](std::string_view key) const {
+  simdjson::dom::object o;
+  if (e_.get_object().get(o)) bad("expected an object");
+  std::string p = path_.empty() ? std::string(key) : path_ + "." + std::string(key);
+  simdjson::dom::element v;
+  if (o.at_key(key).get(v)) fail(ErrorCode::kDataLoss, file_, ": field '", p, "' is missing");
+  return Field(v, std::move(p), file_);
 }
 
 Field Field::operator[](size_t i) const {
-  if (!j_.is_array()) bad("expected an array");
-  if (i >= j_.size()) bad("index " + std::to_string(i) + " out of range");
-  return Field(j_[i], path_ + "[" + std::to_string(i) + "]", file_);
+  simdjson::dom::array a;
+  if (e_.get_array().get(a)) bad("expected an array");
+  simdjson::dom::element v;
+  if (i >= a.size() || a.at(i).get(v)) bad("index " + std::to_string(i) + " out of range");
+  return Field(v, path_ + "[" + std::to_string(i) + "]", file_);
+}
+
+std::vector<Field> Field::items() const {
+  simdjson::dom::array a;
+  if (e_.get_array().get(a)) bad("expected an array");
+  std::vector<Field> out;
+  out.reserve(a.size());
+  for (simdjson::dom::element v : a) out.emplace_back(v, path_ + "[" + std::to_string(out.size()) + "]", file_);
+  return out;
+}
+
+std::vector<std::pair<std::string, Field>> Field::members() const {
+  simdjson::dom::object o;
+  if (e_.get_object().get(o)) bad("expected an object");
+  std::vector<std::pair<std::string, Field>> out;
+  for (simdjson::dom::key_value_pair kv : o) {
+    std::string k(kv.key);
+    out.emplace_back(k, Field(kv.value, path_.empty() ? k : path_ + "." + k, file_));
+  }
+  return out;
 }
 
 size_t Field::size() const {
-  if (!j_.is_array()) bad("expected an array");
-  return j_.size();
+  simdjson::dom::array a;
+  if (e_.get_array().get(a)) bad("expected an array");
+  return a.size();
 }
 
 std::string Field::str() const {
-  if (!j_.is_string()) bad("expected a string");
-  return j_.get<std::string>();
+  std::string_view v;
+  if (e_.get_string().get(v)) bad("expected a string");
+  return std::string(v);
 }
 
 int64_t Field::i64() const {
-  if (!j_.is_number_integer()) bad("expected an integer");
-  if (j_.is_number_unsigned() && j_.get<uint64_t>() > uint64_t(INT64_MAX)) bad("integer out of range");
-  return j_.get<int64_t>();
+  if (e_.type() == simdjson::dom::element_type::UINT64) bad("integer out of range");
+  int64_t v = 0;
+  if (e_.type() != simdjson::dom::element_type::INT64 || e_.get_int64().get(v)) bad("expected an integer");
+  return v;
 }
 
 double Field::f64() const {
-  if (!j_.is_number()) bad("expected a number");
-  return j_.get<double>();
+  double v = 0;
+  if (!e_.is_number() || e_.get_double().get(v)) bad("expected a number");
+  return v;
 }
 
 bool Field::boolean() const {
-  if (!j_.is_boolean()) bad("expected true or false");
-  return j_.get<bool>();
+  bool v = false;
+  if (e_.get_bool().get(v)) bad("expected true or false");
+  return v;
 }
 
 std::vector<int64_t> Field::i64s() const {
   std::vector<int64_t> v;
-  for (size_t i = 0, n = size(); i < n; ++i) v.push_back((*this)[i].i64());
+  for (const Field& f : items()) v.push_back(f.i64());
   return v;
+}
+
+std::string Field::minified() const { return simdjson::minify(e_); }
+
+JsonDoc::JsonDoc(std::string_view text, std::string file) : file_(std::move(file)) {
+  // simdjson reads up to SIMDJSON_PADDING bytes past the end: parse a padded copy.
+  const simdjson::padded_string padded(text);
+  if (auto err = parser_.parse(padded).get(root_)) {
+    std::string why = simdjson::error_message(err);
+    try {
+      const json probe = json::parse(text);  // nlohmann names the line and column
+      (void)probe;
+    } catch (const json::exception& e) {
+      why = e.what();
+    }
+    fail(ErrorCode::kDataLoss, file_, " is not valid JSON: ", why);
+  }
 }
 
 namespace {
@@ -110,10 +163,11 @@ int small_int(const Field& f, int64_t lo, int64_t hi) {
 json dims(const std::array<int64_t, kMaxDims>& a, int nd) { return std::vector<int64_t>(a.begin(), a.begin() + nd); }
 
 void dims_from(const Field& f, int nd, std::array<int64_t, kMaxDims>& out, bool non_negative) {
-  if (int(f.size()) != nd) f.bad("expected " + std::to_string(nd) + " entries, found " + std::to_string(f.size()));
+  const std::vector<Field> v = f.items();
+  if (int(v.size()) != nd) f.bad("expected " + std::to_string(nd) + " entries, found " + std::to_string(v.size()));
   for (int d = 0; d < nd; ++d) {
-    out[d] = f[size_t(d)].i64();
-    if (non_negative && out[d] < 0) f[size_t(d)].bad("must not be negative");
+    out[d] = v[size_t(d)].i64();
+    if (non_negative && out[d] < 0) v[size_t(d)].bad("must not be negative");
   }
 }
 
@@ -165,12 +219,11 @@ ModelConfig model_from_json(const Field& f) {
   m.optimizer = f["optimizer"].str();
   m.qkv_version = f["qkv_version"].f64();
   m.tp_gt_groups = parse_name(f["tp_gt_groups"], qkv_variant_from_name);
-  Field rules = f["rules"];
-  for (size_t i = 0; i < rules.size(); ++i) {
+  for (const Field& rule : f["rules"].items()) {
     LayoutRule r;
-    r.pattern = rules[i]["pattern"].str();
-    r.split = parse_name(rules[i]["split"], split_from_name);
-    r.reduction = reduction_from(rules[i]["reduction"]);
+    r.pattern = rule["pattern"].str();
+    r.split = parse_name(rule["split"], split_from_name);
+    r.reduction = reduction_from(rule["reduction"]);
     m.rules.push_back(r);
   }
   return m;
@@ -256,9 +309,7 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
   }
   L.model = model_from_json(meta["model"]);
 
-  Field tensors = meta["tensors"];
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    Field f = tensors[i];
+  for (const Field& f : meta["tensors"].items()) {
     TensorSpec t;
     t.name = f["name"].str();
     t.shape = f["shape"].i64s();
@@ -271,9 +322,7 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     L.tensors.push_back(std::move(t));
   }
 
-  Field arrays = meta["arrays"];
-  for (size_t i = 0; i < arrays.size(); ++i) {
-    Field f = arrays[i];
+  for (const Field& f : meta["arrays"].items()) {
     LogicalArray a;
     a.tensor = f["tensor"].str();
     a.state = parse_name(f["state"], state_kind_from_name);
@@ -286,10 +335,8 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     L.arrays.push_back(a);
   }
 
-  Field buffers = meta["buffers"];
   const int world = L.topo.world_size();
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    Field f = buffers[i];
+  for (const Field& f : meta["buffers"].items()) {
     Buffer b;
     b.name = f["name"].str();
     b.rank = small_int(f["rank"], 0, world - 1);
@@ -302,9 +349,7 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     L.buffers.push_back(b);
   }
 
-  Field pieces = meta["pieces"];
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    Field f = pieces[i];
+  for (const Field& f : meta["pieces"].items()) {
     Piece p;
     p.array = int32_t(small_int(f["array"], 0, int64_t(L.arrays.size()) - 1));
     p.buffer = int32_t(small_int(f["buffer"], 0, int64_t(L.buffers.size()) - 1));
@@ -326,14 +371,12 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
   }
 
   Field groups = meta["flat_groups"];
-  for (size_t i = 0; i < groups.size(); ++i) {
+  for (const Field& per_shard : groups.items()) {
     std::vector<FlatGroup> gs;
-    for (size_t k = 0; k < groups[i].size(); ++k) {
-      Field f = groups[i][k];
+    for (const Field& f : per_shard.items()) {
       FlatGroup g;
-      Field entries = f["entries"];
-      for (size_t e = 0; e < entries.size(); ++e)
-        g.entries.push_back({entries[e]["tensor"].str(), entries[e]["offset"].i64(), entries[e]["numel"].i64()});
+      for (const Field& e : f["entries"].items())
+        g.entries.push_back({e["tensor"].str(), e["offset"].i64(), e["numel"].i64()});
       g.numel = f["numel"].i64();
       g.partition_size = f["partition_size"].i64();
       g.no_weight_decay = f["no_weight_decay"].boolean();
@@ -365,17 +408,105 @@ NonTensorState state_from_json(const Field& f) {
   s.iteration = f["iteration"].i64();
   s.consumed_samples = f["consumed_samples"].i64();
   s.step = f["step"].i64();
-  s.json = f["json"].raw().dump();
-  Field pr = f["per_rank_base64"];
-  if (!pr.raw().is_object()) pr.bad("expected an object");
-  for (auto it = pr.raw().begin(); it != pr.raw().end(); ++it) {
-    Field v = pr[it.key()];
+  for (const char* k : {"iteration", "consumed_samples", "step"})  // -1: unknown (NonTensorState)
+    if (f[k].i64() < -1) f[k].bad("must be -1 (unknown) or more");
+  if (!f["json"].is_object()) f["json"].bad("expected an object");
+  s.json = f["json"].minified();
+  for (const auto& [key, v] : f["per_rank_base64"].members()) {
     char* end = nullptr;
-    long r = std::strtol(it.key().c_str(), &end, 10);
-    if (it.key().empty() || *end != '\0' || r < 0) v.bad("key is not a rank number");
+    long r = std::strtol(key.c_str(), &end, 10);
+    if (key.empty() || *end != '\0' || r < 0) v.bad("key is not a rank number");
     s.per_rank[int(r)] = base64_decode(v.str(), v);
   }
   return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole metadata file
+
+bool is_rank_file_name(const std::string& n) {
+  const std::string pre = "rank_", suf = ".safetensors";
+  if (n.size() < pre.size() + suf.size() + 5) return false;
+  if (n.compare(0, pre.size(), pre) != 0 || n.compare(n.size() - suf.size(), suf.size(), suf) != 0) return false;
+  for (size_t i = pre.size(); i < n.size() - suf.size(); ++i)
+    if (n[i] < '0' || n[i] > '9') return false;
+  return true;
+}
+
+Metadata parse_metadata(std::string_view text, const std::string& path) {
+  const JsonDoc doc(text, path);
+  const Field root = doc.root();
+  if (root["format"].str() != kFormatName)
+    root["format"].bad("expected \"" + std::string(kFormatName) + "\", found \"" + root["format"].str() + "\"");
+  const int64_t version = root["format_version"].i64();
+  if (version > kNativeFormatVersion)
+    fail(ErrorCode::kUnsupported, path, ": format_version ", version, " is newer than this reshard reads (",
+         kNativeFormatVersion, "); upgrade reshard");
+  if (version < 1) root["format_version"].bad("must be >= 1");
+
+  Metadata md;
+  md.layout = layout_from_json(root, &md.buffer_files, &md.checksums);
+  md.state = state_from_json(root["state"]);
+
+  // Every piece carries its checksum: the writer always stores one, so a missing or malformed one
+  // is damage (or an edit) that would otherwise turn the piece's check off, also under
+  // verify="full".
+  if (const std::string algo = root["checksum"].str(); algo != "xxh3-64")
+    fail(ErrorCode::kUnsupported, path, ": field 'checksum' is '", algo, "'; this reshard reads \"xxh3-64\"");
+  for (size_t i = 0; i < md.checksums.size(); ++i) {
+    const std::string& h = md.checksums[i];
+    const bool hex16 = h.size() == 16 && std::all_of(h.begin(), h.end(), [](char c) {
+                         return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+                       });
+    if (!hex16)
+      fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "].xxh3' is ", h.empty() ? "missing or empty" : "'" + h + "'",
+           "; every piece stores its xxh3-64 as 16 lowercase hex digits");
+  }
+  // Pieces of one buffer never share an element: two pieces over the same bytes would load one
+  // tensor's values into another (each with a matching checksum).
+  {
+    std::vector<std::tuple<int32_t, int64_t, int64_t, size_t>> spans;  // buffer, begin, end, piece
+    spans.reserve(md.layout.pieces.size());
+    for (size_t i = 0; i < md.layout.pieces.size(); ++i) {
+      const Piece& p = md.layout.pieces[i];
+      spans.emplace_back(p.buffer, p.base, p.base + piece_span(p), i);
+    }
+    std::sort(spans.begin(), spans.end());
+    for (size_t k = 1; k < spans.size(); ++k) {
+      const auto& [b0, s0, e0, i0] = spans[k - 1];
+      const auto& [b1, s1, e1, i1] = spans[k];
+      if (b0 == b1 && s1 < e0 && s1 < e1)
+        fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i1, "]': elements [", s1, ", ", e1, ") of buffer ",
+             md.layout.buffers[size_t(b1)].name, " (rank ", md.layout.buffers[size_t(b1)].rank, ") overlap pieces[", i0,
+             "] [", s0, ", ", e0, "); the pieces of a buffer never share an element");
+    }
+  }
+
+  // Data files: plain names inside the step folder only, each listed once.
+  std::map<std::string, int> file_index;
+  const std::vector<Field> files = root["files"].items();
+  for (size_t i = 0; i < files.size(); ++i) {
+    std::string name = files[i]["name"].str();
+    const int64_t bytes = files[i]["bytes"].i64();
+    if (!is_rank_file_name(name))
+      fail(ErrorCode::kInvalidArgument, path, ": field 'files[", i, "].name' is '", name,
+           "'; only plain rank_NNNNN.safetensors names inside the step folder are allowed");
+    if (bytes < 0) files[i]["bytes"].bad("must not be negative");
+    if (!file_index.emplace(name, int(i)).second)
+      fail(ErrorCode::kDataLoss, path, ": field 'files[", i, "].name': '", name, "' listed twice");
+    md.files.emplace_back(std::move(name), bytes);
+  }
+  for (size_t b = 0; b < md.buffer_files.size(); ++b) {
+    const std::string& name = md.buffer_files[b];
+    if (!is_rank_file_name(name))
+      fail(ErrorCode::kInvalidArgument, path, ": field 'buffers[", b, "].file' is '", name,
+           "'; only plain rank_NNNNN.safetensors names inside the step folder are allowed");
+    auto it = file_index.find(name);
+    if (it == file_index.end())
+      fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "].file' names ", name, ", which 'files' does not list");
+    md.buffer_file.push_back(it->second);
+  }
+  return md;
 }
 
 static const char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";

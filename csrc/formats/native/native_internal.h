@@ -17,8 +17,6 @@ constexpr const char* kFormatName = "reshard";
 
 /// "rank_00003.safetensors".
 std::string rank_file_name(int rank);
-/// True for plain names rank_<5 or more digits>.safetensors (no '/', no "..").
-bool is_rank_file_name(const std::string& name);
 /// Throws Error(kInvalidArgument) for a step name that is not a plain folder name.
 void check_step_name(const std::string& step);
 /// xxh3-64 as 16 lowercase hex digits.

@@ -130,55 +130,20 @@ class NativeReader final : public CheckpointReader {
       std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH3_64bits(text.data(), text.size()));
       fingerprint_ = hex;
     }
-    json meta;
-    try {
-      meta = json::parse(text);
-    } catch (const json::exception& e) {
-      fail(ErrorCode::kDataLoss, meta_path, " is not valid JSON: ", e.what());
-    }
-    Field root(meta, "", meta_path);
-    if (root["format"].str() != kFormatName)
-      root["format"].bad("expected \"" + std::string(kFormatName) + "\", found \"" + root["format"].str() + "\"");
-    int64_t version = root["format_version"].i64();
-    if (version > kNativeFormatVersion)
-      fail(ErrorCode::kUnsupported, meta_path, ": format_version ", version, " is newer than this reshard reads (",
-           kNativeFormatVersion, "); upgrade reshard");
-    if (version < 1) root["format_version"].bad("must be >= 1");
-
-    std::vector<std::string> buffer_files;
-    src_.layout = layout_from_json(root, &buffer_files, &checksums_);
-    state_ = state_from_json(root["state"]);
-    file_names_ = buffer_files;
-
-    // Data files: plain names inside the step folder only.
-    Field files = root["files"];
-    std::map<std::string, int> file_index;
-    for (size_t i = 0; i < files.size(); ++i) {
-      std::string name = files[i]["name"].str();
-      int64_t bytes = files[i]["bytes"].i64();
-      if (!is_rank_file_name(name))
-        fail(ErrorCode::kInvalidArgument, meta_path, ": field 'files[", i, "].name' is '", name,
-             "'; only plain rank_NNNNN.safetensors names inside the step folder are allowed");
-      if (!file_index.emplace(name, int(i)).second)
-        fail(ErrorCode::kDataLoss, meta_path, ": field 'files[", i, "].name': '", name, "' listed twice");
+    Metadata md = parse_metadata(text, meta_path);
+    src_.layout = std::move(md.layout);
+    state_ = std::move(md.state);
+    checksums_ = std::move(md.checksums);
+    file_names_ = std::move(md.buffer_files);
+    for (const auto& [name, bytes] : md.files) {
       src_.files.push_back(io::join(dir_, name));
       file_checks_.push_back({name, uint64_t(bytes), -1});
     }
     const size_t nfiles = src_.files.size();
     missing_.assign(nfiles, false);
     handles_.resize(nfiles);
-
     std::vector<std::vector<int>> buffers_of_file(nfiles);
-    for (size_t b = 0; b < buffer_files.size(); ++b) {
-      if (!is_rank_file_name(buffer_files[b]))
-        fail(ErrorCode::kInvalidArgument, meta_path, ": field 'buffers[", b, "].file' is '", buffer_files[b],
-             "'; only plain rank_NNNNN.safetensors names inside the step folder are allowed");
-      auto it = file_index.find(buffer_files[b]);
-      if (it == file_index.end())
-        fail(ErrorCode::kDataLoss, meta_path, ": field 'buffers[", b, "].file' names ", buffer_files[b],
-             ", which 'files' does not list");
-      buffers_of_file[it->second].push_back(int(b));
-    }
+    for (size_t b = 0; b < md.buffer_file.size(); ++b) buffers_of_file[size_t(md.buffer_file[b])].push_back(int(b));
 
     src_.locations.assign(src_.layout.buffers.size(), BufferLocation{});
     for (size_t f = 0; f < nfiles; ++f) {

@@ -29,15 +29,6 @@ std::string rank_file_name(int rank) {
   return buf;
 }
 
-bool is_rank_file_name(const std::string& n) {
-  const std::string pre = "rank_", suf = ".safetensors";
-  if (n.size() < pre.size() + suf.size() + 5) return false;
-  if (n.compare(0, pre.size(), pre) != 0 || n.compare(n.size() - suf.size(), suf.size(), suf) != 0) return false;
-  for (size_t i = pre.size(); i < n.size() - suf.size(); ++i)
-    if (n[i] < '0' || n[i] > '9') return false;
-  return true;
-}
-
 // A step name is a folder name that `latest` can hold on one line and readers find again as
 // written: printable ASCII without spaces (a trailing space or newline was saved, then not found
 // when `latest` was read back trimmed).
