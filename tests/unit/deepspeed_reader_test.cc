@@ -565,6 +565,33 @@ TEST(DeepSpeedFailures, B23_MissingRankFileNamedBeforeAnyWrite) {
   }
 }
 
+// Every optimizer file gone (a copy that took only the model files): ds_config says ZeRO or bf16
+// ran, so the folder held optimizer state; opening it as weights only would drop the Adam moments.
+TEST(DeepSpeedFailures, AllOptimizerFilesMissingIsRefusedNotReadAsWeightsOnly) {
+  for (const char* fixture : {"pipe_pp2_tp2_dp2_z1_fp32", "plain_dp2_z2_fp32", "pipe_pp2_tp2_dp2_z1_bf16_untied_gqa_swiglu"}) {
+    REQUIRE_FIXTURE(fixture);
+    const std::string step = copy_step(fixture, "noopt");
+    int removed = 0;
+    for (const auto& e : fs::directory_iterator(step))
+      if (e.path().filename().string().find("optim_states.pt") != std::string::npos) removed += fs::remove(e.path());
+    ASSERT_GE(removed, 2) << fixture;
+    try {
+      open_checkpoint(step);
+      ADD_FAILURE() << fixture << ": opened without its optimizer files";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
+      EXPECT_NE(m.find("no *_optim_states.pt files"), std::string::npos) << m;
+      EXPECT_NE(m.find("dp_world_size 2"), std::string::npos) << m;
+      EXPECT_NE(m.find(std::string(fixture).find("z2") != std::string::npos ? "zero_optimization.stage=2"
+                                                                             : "zero_optimization.stage=1"),
+                std::string::npos)
+          << m;
+    }
+    fs::remove_all(fs::path(step).parent_path());
+  }
+}
+
 // B26: a tied-embedding checkpoint has no separate head tensor; the consolidated output holds the
 // embedding once, and a pp=2 target gets the same values on its first and last stage.
 TEST(DeepSpeedFailures, B26_TiedEmbeddingNeedsNoHeadTensor) {

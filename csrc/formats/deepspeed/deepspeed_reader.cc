@@ -29,7 +29,6 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -48,6 +47,17 @@ namespace {
 
 using pt::PyValue;
 using Kind = PyValue::Kind;
+
+// Megatron's transformer layer of a canonical name: "layers.<n>.<rest>" -> n; -1 for any other
+// name, also for a number of more than 7 digits (no model has that many layers).
+int layer_of(const std::string& name) {
+  static const std::string pre = "layers.";
+  if (name.compare(0, pre.size(), pre) != 0) return -1;
+  size_t j = pre.size();
+  while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
+  if (j == pre.size() || j - pre.size() > 7 || j >= name.size() || name[j] != '.') return -1;
+  return std::stoi(name.substr(pre.size(), j - pre.size()));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Small PyValue helpers (never throw for a missing key or a wrong kind: return nullptr).
@@ -444,6 +454,25 @@ void Builder::topology() {
 
   // Writer and dp from the optimizer files.
   if (optim.empty()) {
+    // A folder without optimizer files is weights only, but only when its writer kept no
+    // optimizer state: DeepSpeed writes *_optim_states.pt whenever ZeRO (stage >= 1) or
+    // BF16_Optimizer (bf16) ran [deepspeed/runtime/engine.py _save_zero_checkpoint], and the
+    // torch optimizer's state_dict under model_states' `optimizer` otherwise. Loading such a folder
+    // as weights only would drop the Adam moments without a word.
+    const PyValue* cfg = get(&first->ar.root(), "ds_config");
+    const auto stage = zero_stage_value(get(get(cfg, "zero_optimization"), "stage"));
+    const auto bf16 = opt_bool(get(get(cfg, "bf16"), "enabled"));
+    if ((stage && *stage >= 1) || (bf16 && *bf16))
+      fail(ErrorCode::kDataLoss, dir, ": no *_optim_states.pt files, but ", first->path, " says ds_config ",
+           stage && *stage >= 1 ? "zero_optimization.stage=" + std::to_string(*stage) : std::string("bf16.enabled=true"),
+           ", so DeepSpeed wrote the optimizer state (fp32 master, exp_avg, exp_avg_sq) to "
+           "[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt files (dp_world_size ", dpw ? *dpw : 1,
+           "): they are missing (a copy without them?); loading the weights alone would lose the optimizer state");
+    const PyValue* torch_opt = get(&first->ar.root(), "optimizer");
+    if (torch_opt && !torch_opt->is_none())
+      fail(ErrorCode::kUnsupported, first->path, ": the optimizer state is a torch optimizer state_dict under "
+           "`optimizer` (ZeRO stage 0 without bf16), which reshard does not read; loading the weights alone would "
+           "lose it");
     wkind = kNone;
     zero = 0;
     dp = dpw ? int(*dpw) : 1;
@@ -811,15 +840,18 @@ void Builder::build() {
   for (auto& [c, s] : seen) names.push_back(c);
   auto rank_key = [&](const std::string& c) {
     // Model order: embeddings, layers by number, final norm, head, then unknown by first sight.
-    static const std::regex lre(R"(layers\.(\d+)\..*)");
-    std::smatch m;
     if (c.rfind("embedding.", 0) == 0) return std::make_pair(0, seen[c].first);
-    if (std::regex_match(c, m, lre)) return std::make_pair(1 + std::stoi(m[1]), seen[c].first);
+    if (const int layer = layer_of(c); layer >= 0) return std::make_pair(1 + layer, seen[c].first);
     if (c.rfind("final_layernorm.", 0) == 0) return std::make_pair(1 << 20, seen[c].first);
     if (c.rfind("lm_head.", 0) == 0) return std::make_pair((1 << 20) + 1, seen[c].first);
     return std::make_pair((1 << 20) + 2, seen[c].first);
   };
-  std::stable_sort(names.begin(), names.end(), [&](auto& a, auto& b) { return rank_key(a) < rank_key(b); });
+  {  // each key once (the comparator ran it O(n log n) times)
+    std::vector<std::pair<std::pair<int, int>, std::string>> keyed;
+    for (auto& c : names) keyed.emplace_back(rank_key(c), std::move(c));
+    std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t i = 0; i < keyed.size(); ++i) names[i] = std::move(keyed[i].second);
+  }
   for (auto& c : names) {
     TensorSpec t;
     t.name = c;
@@ -835,7 +867,6 @@ void Builder::build() {
          shape_str(seen[u].local) + " is the same on every tp rank); exact for dp-only changes, a tp change needs a rule "
          "for it in the model file");
   }
-  static const std::regex lre(R"(layers\.(\d+)\..*)");
   int num_transformer = 0;
   std::map<std::string, int> dead_copies;  // tensor -> the one stage whose copy is kept
   for (auto& t : specs) {
@@ -851,12 +882,11 @@ void Builder::build() {
       case Split::kReplicated: break;
     }
     if (t.split == Split::kVocab) t.real_rows = std::min<int64_t>(cfg.vocab, t.shape[0]);
-    std::smatch m;
     const auto& st = seen[t.name].stages;
     // Owners as Megatron means them; an unknown tensor by where the files put it.
-    if (std::regex_match(t.name, m, lre)) {
+    if (const int layer = layer_of(t.name); layer >= 0) {
       t.owner = Owner::kLayer;
-      t.layer = std::stoi(m[1]);
+      t.layer = layer;
       num_transformer = std::max(num_transformer, t.layer + 1);
     } else if (t.name == "embedding.word_embeddings.weight") {
       t.owner = cfg.tied_embeddings ? Owner::kFirstAndLast : Owner::kFirstStage;
