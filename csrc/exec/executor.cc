@@ -370,8 +370,9 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint: ", msg,
              " (replica policy 'error', atol ", atol,
              "; if `reshard verify` finds a checksum mismatch in a copy, the copy is damaged: restore the file; "
-             "if not, the copies diverged in training: choose policy 'first' or 'average', or a tolerance, to load "
-             "anyway); no live tensor was written");
+             "if not, either a file comes from another run or step (check where each file was copied from; a "
+             "replica policy would load a mix of two runs) or the copies diverged in training (then choose policy "
+             "'first' or 'average', or a tolerance, to load anyway)); no live tensor was written");
     } else {
       for (const auto& s : comm.all_gather_strings(dmsg))
         if (!s.empty()) report.push_back(s);
