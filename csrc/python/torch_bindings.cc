@@ -261,6 +261,12 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
            "; this build writes CPU tensors only (stage through a CPU tensor)");
     if (!t.is_contiguous())
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " is not contiguous");
+    // A lazy negation or conjugation view (torch._neg_view, .conj()) reads back transformed: the
+    // bytes under data_ptr() are not the values the tensor shows.
+    if (t.is_neg() || t.is_conj())
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " is a ",
+           t.is_neg() ? "negation" : "conjugation", " view (its bytes are not its values); pass ",
+           t.is_neg() ? "t.resolve_neg()" : "t.resolve_conj()", " or a plain tensor");
     if (dtype_of(t) != b.dtype)
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has dtype ", dtype_name(dtype_of(t)),
            " but the layout says ", dtype_name(b.dtype));

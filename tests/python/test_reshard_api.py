@@ -271,6 +271,18 @@ def test_bad_tensors_are_invalid_argument(tmp_path):
         reshard.load(str(tmp_path), L, zeros_for(L), policies={"replica": "first"})
     with pytest.raises(reshard.NotFound, match="step"):
         reshard.load(str(tmp_path), L, zeros_for(L), step=99)
+    # A lazy negation view's bytes are not its values: load would write -x where x is shown and
+    # save would store -x (tester's finding); refused, and nothing is written.
+    live = zeros_for(L)
+    k = next(k for k, t in live.items() if t.dtype == torch.float32)
+    base = torch.full_like(live[k], 7.0)
+    live[k] = torch._neg_view(base)
+    assert live[k].is_neg()
+    with pytest.raises(reshard.InvalidArgument, match="negation view"):
+        reshard.load(str(tmp_path), L, live)
+    assert torch.equal(base, torch.full_like(base, 7.0))
+    with pytest.raises(reshard.InvalidArgument, match="negation view"):
+        reshard.save(str(tmp_path / "neg"), "step-1", L, live)
 
 
 def test_tensors_that_share_memory_or_hold_none_are_refused_before_any_write(tmp_path):
