@@ -196,9 +196,14 @@ Command inspect_command() {
       if (j.contains("stats"))
         for (auto& [k, v] : j["stats"].items()) {
           if (!v.contains("mean")) continue;
-          std::printf("      %-10s mean %-12.6g std %-12.6g min %-12.6g max %-12.6g zeros %.4f\n", k.c_str(),
+          std::printf("      %-10s mean %-12.6g std %-12.6g min %-12.6g max %-12.6g zeros %.4f", k.c_str(),
                       v["mean"].get<double>(), v["std"].get<double>(), v["min"].get<double>(), v["max"].get<double>(),
                       v["zero_fraction"].get<double>());
+          // NaN / Inf are left out of mean..max; say how many there are, or they stay invisible.
+          if (v.contains("non_finite"))
+            std::printf("  NON-FINITE %lld (NaN or Inf; left out of mean, std, min, max)",
+                        (long long)v["non_finite"].get<int64_t>());
+          std::printf("\n");
         }
     }
     std::printf("files:\n");

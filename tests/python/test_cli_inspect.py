@@ -131,3 +131,27 @@ def test_stats_show_a_zeroed_shard(tmp_path):
     assert "rank_00001.safetensors" in bad[0] and "weight/lm_head.weight" in bad[0] and "xxh3 mismatch" in bad[0], bad[0]
     clean = json.loads(run("inspect", synth(tmp_path / "clean", "tp=2,pp=1,dp=1,zero=0"), "--json", "--stats").stdout)
     assert not [p for p in clean["problems"] if p.startswith("checksum: ")], clean["problems"]
+
+
+def test_stats_text_names_nan_and_inf(tmp_path):
+    """NaN and Inf are left out of mean..max; the text output must still say they are there (a
+    tester saw finite statistics, and no word of them, for a checkpoint holding both)."""
+    import torch
+    import reshard
+    src = synth(tmp_path / "src", "tp=1,pp=1,dp=1,zero=1")
+    L = reshard.derive_layout(reshard.model_config(str(MODEL)), "tp=1,pp=1,dp=1,zero=1")
+    live = reshard.allocate(L, 0)
+    reshard.load(str(src), L, live)
+    fp32 = next(k for k in live if k.startswith("fp32/"))
+    avg = next(k for k in live if k.startswith("exp_avg/"))
+    live[fp32].view(-1)[5] = float("nan")
+    live[avg].view(-1)[7] = float("inf")
+    reshard.save(str(tmp_path / "bad"), "step-1", L, live)
+    text = run("inspect", tmp_path / "bad", "--stats")
+    assert text.returncode == 0, text.stderr
+    flagged = [l for l in text.stdout.splitlines() if "NON-FINITE 1" in l]
+    assert len(flagged) == 2, text.stdout
+    assert {l.split()[0] for l in flagged} == {"fp32", "exp_avg"}, flagged
+    j = json.loads(run("inspect", tmp_path / "bad", "--json", "--stats").stdout)
+    counts = sorted(s.get("non_finite", 0) for t in j["tensors"] for s in t["stats"].values())
+    assert counts[-2:] == [1, 1] and sum(counts) == 2, counts
