@@ -31,8 +31,8 @@ Topology Topology::parse(const std::string& text) {
     std::string item = s.substr(pos, comma - pos);
     pos = comma + 1;
     if (item.empty()) {
-      if (comma >= s.size()) break;
-      continue;
+      if (comma >= s.size() && pos > 1) break;  // one trailing comma is fine
+      fail(ErrorCode::kInvalidArgument, "layout '", text, "' has an empty item (two commas in a row, or a leading one)");
     }
     size_t eq = item.find('=');
     if (eq == std::string::npos)
@@ -44,7 +44,8 @@ Topology Topology::parse(const std::string& text) {
     char* end = nullptr;
     errno = 0;
     long v = std::strtol(val.c_str(), &end, 10);
-    if (val.empty() || *end != '\0')
+    const bool digits = !val.empty() && std::all_of(val.begin(), val.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (!digits || *end != '\0')
       fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, "='", val, "' is not an integer");
     if (errno == ERANGE) fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, "=", val, " is out of range");
     int* field = nullptr;
@@ -82,6 +83,12 @@ void Topology::validate() const {
   if (zero >= 2 && pp > 1)
     fail(ErrorCode::kInvalidArgument, "layout zero=", zero, " with pp=", pp,
          ": DeepSpeed does not combine ZeRO stage 2 or 3 with pipeline parallelism (use zero<=1 or pp=1)");
+  // The planner holds the whole job's plan on every rank (about 0.1 MB per rank for a 4-layer
+  // model, more for larger ones): a typo like dp=1000000 would be killed for memory, not refused.
+  const int64_t world = int64_t(tp) * pp * dp;
+  if (world > kMaxWorldSize)
+    fail(ErrorCode::kInvalidArgument, "layout tp=", tp, ",pp=", pp, ",dp=", dp, " has ", world, " ranks; at most ",
+         kMaxWorldSize, " are supported (every rank plans the whole job)");
   if (vpp > 1 && pp == 1)
     fail(ErrorCode::kInvalidArgument, "layout vpp=", vpp, " needs pp > 1 (virtual stages interleave pipeline ranks)");
 }

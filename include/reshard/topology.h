@@ -6,9 +6,13 @@
 // Written as "tp=2,pp=2,vpp=1,dp=4,zero=1" in CLI strings; omitted keys default to 1 (zero to 0).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace reshard {
+
+/// Largest world size (tp * pp * dp) a layout may have: every rank plans the whole job.
+constexpr int64_t kMaxWorldSize = int64_t(1) << 17;
 
 struct Topology {
   int tp = 1;    // tensor parallel size (mesh axis "tp")
@@ -27,11 +31,13 @@ struct Topology {
 
   /// Canonical string "tp=T,pp=P,vpp=V,dp=D,zero=Z".
   std::string to_string() const;
-  /// Parses "tp=2,pp=2,dp=4,zero=1" (any order, spaces allowed). Throws Error(kInvalidArgument)
-  /// naming the key for an unknown key, a non-integer or a value below 1 (zero: 0..3).
+  /// Parses "tp=2,pp=2,dp=4,zero=1" (any order, spaces allowed, plain decimal digits, no empty
+  /// item). Throws Error(kInvalidArgument) naming the key for an unknown key, a non-integer or a
+  /// value below 1 (zero: 0..3).
   static Topology parse(const std::string& text);
   /// Checks the sizes alone (every axis >= 1, zero in 0..3, cp = ep = 1, zero 3 with pp = 1 as
-  /// DeepSpeed requires). Throws Error(kInvalidArgument) naming the field and the rule.
+  /// DeepSpeed requires, at most kMaxWorldSize ranks). Throws Error(kInvalidArgument) naming the
+  /// field and the rule.
   void validate() const;
 
   bool operator==(const Topology& o) const {

@@ -377,6 +377,15 @@ TEST(ReliabilityTopology, ModelThatDoesNotFitIsRefusedNamingTheField) {
   EXPECT_HAS(msg, "tp is given twice");
   msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=99999999999999999999"); });
   EXPECT_HAS(msg, "tp=99999999999999999999 is out of range");
+  // Typos: an empty item, a sign, a world size no job has (it was killed for memory while planning).
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=2,,dp=2"); });
+  EXPECT_HAS(msg, "empty item");
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=+2"); });
+  EXPECT_HAS(msg, "tp='+2' is not an integer");
+  EXPECT_EQ(Topology::parse("tp=2,dp=2,").dp, 2);  // one trailing comma is fine
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=1,dp=1000000"); });
+  EXPECT_HAS(msg, "has 1000000 ranks; at most 131072");
+  EXPECT_EQ(Topology::parse("tp=8,pp=16,dp=1024").world_size(), 131072);
 
   Ckpt c("world", m, "tp=1,dp=1,zero=1");
   auto ck = open_checkpoint(c.root);
