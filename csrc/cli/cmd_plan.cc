@@ -43,6 +43,9 @@ Command plan_command() {
     Plan plan;
     double secs = 0;
     if (!a->path.empty()) {
+      if (!a->source.empty())
+        fail(ErrorCode::kInvalidArgument, "plan --source ", a->source,
+             " is for planning without a checkpoint; the checkpoint at ", a->path, " records its own layout");
       OpenOptions oo;
       oo.step = a->step;
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
