@@ -174,8 +174,12 @@ struct Compared {
   int64_t numel = 0;
 };
 
-// Elements [0, n) of two tensors converted to double in chunks.
-double max_abs_diff(const void* a, DType ta, const void* b, DType tb, int64_t n) {
+// Elements [0, n) of two tensors converted to double in chunks. `*nonfinite_mismatches` counts
+// elements where one side is NaN or infinite and the other is not the same (NaN = NaN, +Inf = +Inf
+// count as equal): no tolerance makes those equal, so they are not folded into the max (an
+// infinite max would pass --atol inf).
+double max_abs_diff(const void* a, DType ta, const void* b, DType tb, int64_t n, int64_t* nonfinite_mismatches) {
+  *nonfinite_mismatches = 0;
   if (!dtype_is_float(ta) || !dtype_is_float(tb)) {
     if (ta != tb) return INFINITY;
     return std::memcmp(a, b, size_t(n) * dtype_size(ta)) == 0 ? 0.0 : INFINITY;
@@ -188,13 +192,12 @@ double max_abs_diff(const void* a, DType ta, const void* b, DType tb, int64_t n)
     convert_elements(static_cast<const char*>(a) + i * dtype_size(ta), ta, x.data(), DType::F64, size_t(k));
     convert_elements(static_cast<const char*>(b) + i * dtype_size(tb), tb, y.data(), DType::F64, size_t(k));
     for (int64_t j = 0; j < k; ++j) {
-      const bool na = std::isnan(x[j]), nb = std::isnan(y[j]);
-      if (na || nb) {
-        if (!(na && nb)) m = INFINITY;
+      if (x[j] == y[j] || (std::isnan(x[j]) && std::isnan(y[j]))) continue;
+      if (!std::isfinite(x[j]) || !std::isfinite(y[j])) {
+        ++*nonfinite_mismatches;
         continue;
       }
-      const double d = std::fabs(x[j] - y[j]);
-      if (d > m || std::isnan(d)) m = std::isnan(d) ? INFINITY : d;
+      m = std::max(m, std::fabs(x[j] - y[j]));
     }
   }
   return m;
@@ -255,8 +258,12 @@ Compared compare(const std::string& name, const std::string& state, const Held& 
       return c;
     }
   }
-  c.max_abs_diff = max_abs_diff(a.data.data(), a.dtype, b.data.data(), b.dtype, n);
-  c.ok = c.max_abs_diff <= atol;
+  int64_t nonfinite = 0;
+  c.max_abs_diff = max_abs_diff(a.data.data(), a.dtype, b.data.data(), b.dtype, n, &nonfinite);
+  c.ok = nonfinite == 0 && c.max_abs_diff <= atol;
+  if (nonfinite)
+    c.note += std::string(c.note.empty() ? "" : "; ") + std::to_string(nonfinite) +
+              " element(s) NaN or infinite on one side only";
   if (a.dtype != b.dtype) c.note += std::string(c.note.empty() ? "" : "; ") + dtype_name(a.dtype) + " vs " + dtype_name(b.dtype);
   return c;
 }

@@ -109,6 +109,21 @@ def test_safetensors_state_dict_side_and_small_difference(ckpts):
     st.save_file(master, str(d / "master_partial.safetensors"))
     r = run("diff", ckpts["s1"], d / "master_partial.safetensors")
     assert r.returncode == 1 and "final_layernorm.bias (fp32): max |diff| -" in r.stdout and "only in A" in r.stdout
+    # NaN or Inf against a number is a difference no tolerance hides (it printed max |diff| inf and
+    # --atol inf called it equal); NaN against NaN and Inf against the same Inf are equal.
+    name = "layers.0.mlp.dense_4h_to_h.weight"
+    master = {k: v.reshape(shapes[k]).contiguous() for k, v in
+              ((k[len("fp32/"):], v) for k, v in files.items() if k.startswith("fp32/"))}
+    master[name] = master[name].clone()
+    master[name][0, 1] = float("nan")
+    master[name][2, 3] = float("inf")
+    st.save_file(master, str(d / "master_nan.safetensors"))
+    for atol in ("0", "inf"):
+        r = run("diff", ckpts["s1"], d / "master_nan.safetensors", "--atol", atol)
+        assert r.returncode == 1, r.stdout
+        assert "2 element(s) NaN or infinite on one side only" in r.stdout, r.stdout
+    r = run("diff", d / "master_nan.safetensors", d / "master_nan.safetensors")
+    assert r.returncode == 0 and "0 differ" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("which", ["nonexistent", "file", "empty"])
