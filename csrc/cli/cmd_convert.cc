@@ -148,6 +148,14 @@ Command convert_command() {
       const std::string step = step_name(*a, *ckpt);
       if (io::exists(a->out) && !io::is_dir(a->out))
         fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " is a file; give a folder");
+      // OUT inside the source step folder (e.g. OUT = the step folder itself) would write a new
+      // checkpoint root, `latest` included, among the source's files.
+      if (io::is_dir(a->out)) {
+        const std::string out_real = real_path(a->out) + "/", src_real = real_path(ckpt->path()) + "/";
+        if (out_real.compare(0, src_real.size(), src_real) == 0)
+          fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " is inside the source step folder ", ckpt->path(),
+               "; give the output root outside it");
+      }
       if (io::is_dir(io::join(a->out, step)) && real_path(io::join(a->out, step)) == real_path(ckpt->path()))
         fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " step ", step,
              " is the source step folder itself; write elsewhere or choose --step");

@@ -88,6 +88,15 @@ def test_convert_step_name_option(tmp_path):
     r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=1,zero=1", "--step", "mystep", "--overwrite")
     assert r.returncode == 0, r.stderr
     assert "dp=1," in json.loads((tmp_path / "b" / "mystep" / "metadata.json").read_text())["topology"]
+    # OUT inside the source's step folder (the step folder itself, or a folder in it) is refused
+    # before anything is written (a tester got step-N/step-N and a `latest` among the source files).
+    step = next(p for p in a.iterdir() if p.is_dir())
+    (step / "sub").mkdir()
+    for out in (step, step / "sub"):
+        listing = sorted(p.name for p in step.iterdir())
+        r = run("convert", step, out, "--target", "tp=1,dp=1,zero=1")
+        assert r.returncode == 2 and "is inside the source step folder" in r.stderr, r.stderr
+        assert sorted(p.name for p in step.iterdir()) == listing
 
 
 MPIRUN = shutil.which("mpirun")
