@@ -344,6 +344,11 @@ TEST(ReliabilityCorrupt, MetadataWithOverflowingNumbersIsDataLoss) {
          p["strides"][0] = INT64_MAX;
        }},
       {"base + span wraps", [&](json& j) { j["pieces"][1]["base"] = INT64_MAX; }},
+      {"sum of two huge stride terms", [&](json& j) {  // each term fits int64, their sum does not
+         auto& p = j["pieces"][1];
+         const int nd = int(p["strides"].size());
+         for (int d = 0; d < nd; ++d) p["strides"][d] = INT64_MAX / 2;
+       }},
   };
   for (const auto& cs : cases) {
     SCOPED_TRACE(cs.what);
@@ -353,6 +358,12 @@ TEST(ReliabilityCorrupt, MetadataWithOverflowingNumbersIsDataLoss) {
     std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(c.root); });
     EXPECT_HAS(msg, "pieces[1]");
   }
+  // An array whose element count overflows int64.
+  json j = orig;
+  j["arrays"][0]["shape"] = json::array({big, 4});
+  store_json(meta, j);
+  std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(c.root); });
+  EXPECT_HAS(msg, "field 'arrays[0].shape': the shape has 2^63 elements or more");
 }
 
 // ---------------------------------------------------------------------------------------------

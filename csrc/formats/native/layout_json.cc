@@ -331,6 +331,11 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     if (shape.size() > size_t(kMaxDims)) shape.bad("more than " + std::to_string(kMaxDims) + " dims");
     a.ndim = int(shape.size());
     dims_from(shape, a.ndim, a.shape, true);
+    {
+      __int128 n = 1;
+      for (int d = 0; d < a.ndim; ++d) n = std::min<__int128>(n * a.shape[d], __int128(INT64_MAX) + 1);
+      if (n > __int128(INT64_MAX)) shape.bad("the shape has 2^63 elements or more");
+    }
     a.real_rows = f["real_rows"].i64();
     a.reduction = reduction_from(f["reduction"]);
     L.arrays.push_back(a);
@@ -363,8 +368,16 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     for (int d = 0; d < a.ndim; ++d)
       if (p.box.len[d] > a.shape[d] || p.box.off[d] > a.shape[d] - p.box.len[d])  // no int64 overflow
         f.bad("box " + p.box.to_string() + " exceeds the shape of array " + a.key());
-    if (p.base < 0 || piece_span(p) > L.buffers[p.buffer].numel - p.base)  // no int64 overflow
-      f.bad("elements [" + std::to_string(p.base) + ", " + std::to_string(uint64_t(p.base) + uint64_t(piece_span(p))) +
+    // The span 1 + sum((len - 1) * stride) in 128 bits: huge strides overflowed int64 (UB) before
+    // the bounds check; the box lies inside the array's shape, whose element count fits int64.
+    __int128 span = 0;
+    if (p.box.numel() > 0) {
+      span = 1;
+      for (int d = 0; d < a.ndim; ++d) span += __int128(p.box.len[d] - 1) * p.strides[d];
+    }
+    if (p.base < 0 || span > __int128(L.buffers[p.buffer].numel - p.base))  // no int64 overflow
+      f.bad("elements [" + std::to_string(p.base) + ", " +
+            (span <= __int128(INT64_MAX) ? std::to_string(uint64_t(p.base) + uint64_t(span)) : "2^63 or more") +
             ") lie outside buffer " + L.buffers[p.buffer].name + " of " + std::to_string(L.buffers[p.buffer].numel) +
             " elements");
     if (checksums) checksums->push_back(f.has("xxh3") ? f["xxh3"].str() : std::string());
