@@ -127,7 +127,7 @@ CONF=("$CMAKE" -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release
 build_all() {
   "${CONF[@]}" > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }
   grep -E "reshard:|Found (GTest|MPI|CUDAToolkit|nlohmann|PkgConfig)|libxxhash" "$OUT/build.log"
-  grep -E '^(yaml-cpp_DIR|GTest_DIR|nlohmann_json_DIR|CLI11_DIR|RESHARD_NCCL_LIBRARY)' "$BUILD/CMakeCache.txt"
+  grep -E '^(yaml-cpp_DIR|GTest_DIR|nlohmann_json_DIR|simdjson_DIR|CLI11_DIR|RESHARD_NCCL_LIBRARY)' "$BUILD/CMakeCache.txt"
   "$CMAKE" --build "$BUILD" --target reshard_gpu -j"$NPROC" >> "$OUT/build.log" 2>&1 ||
     { grep -E "error|Error|FAILED" "$OUT/build.log" | head -30; tail -30 "$OUT/build.log"; return 1; }
   ls -la "$BUILD/bin"
