@@ -457,6 +457,17 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
     msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
     EXPECT_HAS(msg, "overlap pieces[" + std::to_string(a) + "]");
     EXPECT_HAS(msg, "never share an element");
+    // The same overlap by one element, with an empty piece sorted between the two.
+    j = fresh();
+    j["pieces"][b]["base"] = j["pieces"][a]["base"].get<int64_t>() + 1;
+    json empty = j["pieces"][a];
+    empty["base"] = j["pieces"][b]["base"];
+    empty["len"][0] = 0;
+    j["pieces"].push_back(empty);
+    store_json(meta, j);
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, "field 'pieces[" + std::to_string(b) + "]'");
+    EXPECT_HAS(msg, "overlap pieces[" + std::to_string(a) + "]");
   }
   // The recorded model must describe the stored tensors: a layer more, or SwiGLU switched on,
   // gives tensors metadata.json does not hold (or holds in another shape).

@@ -373,7 +373,8 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     __int128 span = 0;
     if (p.box.numel() > 0) {
       span = 1;
-      for (int d = 0; d < a.ndim; ++d) span += __int128(p.box.len[d] - 1) * p.strides[d];
+      for (int d = 0; d < a.ndim; ++d)  // each term < 2^126; capped at 2^64 so the sum stays < 2^127
+        span = std::min<__int128>(span + __int128(p.box.len[d] - 1) * p.strides[d], __int128(1) << 64);
     }
     if (p.base < 0 || span > __int128(L.buffers[p.buffer].numel - p.base))  // no int64 overflow
       f.bad("elements [" + std::to_string(p.base) + ", " +
@@ -516,13 +517,17 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
       spans.emplace_back(p.buffer, p.base, p.base + piece_span(p), i);
     }
     std::sort(spans.begin(), spans.end());
-    for (size_t k = 1; k < spans.size(); ++k) {
-      const auto& [b0, s0, e0, i0] = spans[k - 1];
+    size_t far = spans.size();  // the earlier non-empty piece of this buffer that reaches furthest
+    for (size_t k = 0; k < spans.size(); ++k) {
       const auto& [b1, s1, e1, i1] = spans[k];
-      if (b0 == b1 && s1 < e0 && s1 < e1)
+      if (s1 == e1) continue;  // empty: no element to share
+      if (far < spans.size() && std::get<0>(spans[far]) == b1 && s1 < std::get<2>(spans[far])) {
+        const auto& [b0, s0, e0, i0] = spans[far];
         fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i1, "]': elements [", s1, ", ", e1, ") of buffer ",
              md.layout.buffers[size_t(b1)].name, " (rank ", md.layout.buffers[size_t(b1)].rank, ") overlap pieces[", i0,
              "] [", s0, ", ", e0, "); the pieces of a buffer never share an element");
+      }
+      if (far == spans.size() || std::get<0>(spans[far]) != b1 || e1 > std::get<2>(spans[far])) far = k;
     }
   }
 
