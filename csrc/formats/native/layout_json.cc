@@ -6,7 +6,6 @@
 
 #include "formats/native/native_internal.h"
 #include "reshard/error.h"
-#include "reshard/model.h"
 #include "reshard/native.h"
 #include "reshard/plan.h"
 
@@ -476,36 +475,6 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
     if (!hex16)
       fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "].xxh3' is ", h.empty() ? "missing or empty" : "'" + h + "'",
            "; every piece stores its xxh3-64 as 16 lowercase hex digits");
-  }
-  // The recorded model's tensors are all there, with the shapes the model gives them at the
-  // stored tp (a reader may have discovered more; they stay). Without this, an edit that drops a
-  // tensor or changes the model (num_layers, swiglu, vocab, ...) passed open, verify and convert,
-  // whose targets copy the stored tensor list; only a load derived from the model noticed.
-  {
-    std::map<std::string, const TensorSpec*> stored;
-    for (const TensorSpec& t : md.layout.tensors) stored.emplace(t.name, &t);
-    auto dims = [](const std::vector<int64_t>& v) {
-      std::string out = "[";
-      for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-      return out + "]";
-    };
-    std::vector<std::string> bad;
-    size_t nbad = 0;
-    for (const TensorSpec& t : model_tensors(md.layout.model, md.layout.topo.tp)) {
-      auto it = stored.find(t.name);
-      std::string why;
-      if (it == stored.end()) why = t.name + " is missing";
-      else if (it->second->shape != t.shape)
-        why = t.name + " has shape " + dims(it->second->shape) + ", the model gives " + dims(t.shape);
-      if (!why.empty() && nbad++ < 4) bad.push_back(why);
-    }
-    if (nbad) {
-      std::string msg;
-      for (const auto& b : bad) msg += (msg.empty() ? "" : "; ") + b;
-      if (nbad > bad.size()) msg += "; ... (" + std::to_string(nbad) + " tensors)";
-      fail(ErrorCode::kDataLoss, path, ": field 'tensors' does not hold the tensors of field 'model' (",
-           md.layout.model.name, ", ", md.layout.model.num_layers, " layers, at tp=", md.layout.topo.tp, "): ", msg);
-    }
   }
   // Pieces of one buffer never share an element: two pieces over the same bytes would load one
   // tensor's values into another (each with a matching checksum).
