@@ -332,26 +332,24 @@ def test_strictness_off_loads_and_reports(ck):
 
 
 def differing_replica(ck):
-    """Changes one replicated weight on tp rank 1 (and drops its checksum): replicas now differ."""
+    """Rewrites the checkpoint as a new step whose tp rank 1 copy of one replicated weight differs
+    in one low bit, saved through reshard's writer so every checksum is valid: replicas that
+    diverged in training, not a damaged file (a piece without its checksum is refused at open)."""
+    from safetensors.torch import load_file
     c = reshard.open_checkpoint(str(ck))
-    info = c.inspect()
-    repl = {t["name"] for t in info["tensors"] if t["split"] == "replicated"}
-    sd = step_dir(ck)
-    meta = json.loads((sd / "metadata.json").read_text())
-    f = sd / "rank_00001.safetensors"
-    data, n, h = header_of(f)
-    for bi, b in enumerate(meta["buffers"]):
-        if b["rank"] == 1 and b["state"] == "weight" and b["name"].split("/", 1)[1] in repl:
-            at = 8 + n + h[b["name"]]["data_offsets"][0]
-            data = bytearray(data)
-            data[at] ^= 0x01
-            f.write_bytes(bytes(data))
-            for p in meta["pieces"]:
-                if p["buffer"] == bi:
-                    p.pop("xxh3", None)
-            (sd / "metadata.json").write_text(json.dumps(meta))
-            return b["name"].split("/", 1)[1]
-    raise AssertionError("no replicated weight on rank 1")
+    repl = {t["name"] for t in c.inspect()["tensors"] if t["split"] == "replicated"}
+    L = c.layout
+    files = {r: load_file(str(step_dir(ck) / f"rank_{r:05d}.safetensors")) for r in range(L.world_size)}
+    tensors, changed = [], None
+    for b in L.buffers:
+        t = files[b["rank"]][b["name"]].clone()
+        if changed is None and b["rank"] == 1 and b["state"] == "weight" and b["name"].split("/", 1)[1] in repl:
+            t.view(torch.int16).view(-1)[0] ^= 1
+            changed = b["name"].split("/", 1)[1]
+        tensors.append(t)
+    assert changed, "no replicated weight on rank 1"
+    reshard.save_all_ranks(str(ck), "step-99", L, tensors, state=c.state)
+    return changed
 
 
 @need_py
