@@ -10,6 +10,7 @@
 #include <map>
 #include <type_traits>
 
+#include "formats/native/layout_json.h"
 #include "python/torch_comm.h"
 #include "reshard/checkpoint.h"
 #include "reshard/config.h"
@@ -109,6 +110,7 @@ NonTensorState state_from_py(const py::dict& d, int world_size) {
     if (!py::isinstance<py::str>(d["json"]))
       fail(ErrorCode::kInvalidArgument, "save: state 'json' must be a str holding one JSON object");
     s.json = d["json"].cast<std::string>();
+    (void)native::state_to_json(s);  // one JSON object, checked before anything is written
   }
   if (d.contains("per_rank")) {
     if (!py::isinstance<py::dict>(d["per_rank"]))

@@ -344,6 +344,11 @@ def test_save_refuses_state_it_would_not_keep_and_bad_step_names(tmp_path):
              ({"iteration": -5}, "state 'iteration' must be >= 0"),
              ({"per_rank": {5: b"x"}}, "names rank 5, outside the layout's world size 1"),
              ({"per_rank": {0: "text"}}, "must map int ranks to bytes"),
+             # JSON that is not one object: readers refuse it, so the newest step would not open
+             ({"json": [1, 2]}, "must be one JSON object, not array"),
+             ({"json": "null"}, "must be one JSON object, not null"),
+             ({"json": '"text"'}, "must be one JSON object, not string"),
+             ({"json": "{nope"}, "not valid JSON"),
              ({"json": {"lr": 0.1}}, None)]  # a dict: serialised to its JSON text, saved
     for state, msg in cases:
         if msg is None:

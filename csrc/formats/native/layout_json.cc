@@ -411,6 +411,11 @@ json state_to_json(const NonTensorState& s) {
   } catch (const json::exception& e) {
     fail(ErrorCode::kInvalidArgument, "NonTensorState::json is not valid JSON: ", e.what());
   }
+  // Readers refuse anything else (state_from_json), so a save must not write it: the newest
+  // checkpoint would not open.
+  if (!extra.is_object())
+    fail(ErrorCode::kInvalidArgument, "NonTensorState::json must be one JSON object, not ", extra.type_name(), " (",
+         s.json.substr(0, 40), ")");
   json per_rank = json::object();
   for (const auto& [r, blob] : s.per_rank) per_rank[std::to_string(r)] = base64_encode(blob);
   return {{"iteration", s.iteration}, {"consumed_samples", s.consumed_samples}, {"step", s.step},
