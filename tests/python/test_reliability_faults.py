@@ -387,3 +387,47 @@ def test_memory_budget_too_small_cli(ck, tmp_path):
     r = cli("convert", ck, tmp_path / "out", "--target", "tp=1,dp=1,zero=1", "--memory-budget", "1000")
     assert r.returncode == 2 and "memory budget" in one_line_error(r)
     assert not (tmp_path / "out" / "latest").exists()
+
+
+FIXTURES = Path(os.environ.get("RESHARD_DS_FIXTURES", ROOT / "build" / "ds_fixtures"))
+
+
+@need_py
+@pytest.mark.parametrize("variant", ["bfloat16_key", "zero_bool", "stage_string", "no_ds_config"])
+def test_deepspeed_folder_without_optimizer_files_is_refused_in_every_config_form(tmp_path, variant):
+    """Every *_optim_states.pt gone, with ds_config in the forms DeepSpeed's parser also takes (the
+    old "bfloat16" key, zero_optimization: true, a stage string) or no ds_config at all (Megatron's
+    args.zero_stage decides): refused, not opened as weights only (a tester found each form
+    opened as weights only, and convert wrote an output without optimizer state)."""
+    src = FIXTURES / "pipe_pp2_tp2_dp2_z1_bf16_untied_gqa_swiglu"
+    if not (FIXTURES / ".complete").exists() or not src.is_dir():
+        pytest.skip(f"DeepSpeed fixtures not built in {FIXTURES}")
+    dst = tmp_path / "ck"
+    shutil.copytree(src, dst)
+    step = next(p for p in dst.iterdir() if p.name.startswith("global_step"))
+    for f in step.glob("*optim_states.pt"):
+        f.unlink()
+    for f in step.glob("mp_rank_*_model_states.pt"):
+        sd = torch.load(f, map_location="cpu", weights_only=False)
+        cfg = sd["ds_config"]
+        if variant == "bfloat16_key":
+            cfg["bfloat16"] = cfg.pop("bf16")
+            cfg.pop("zero_optimization", None)
+            sd["args"].zero_stage = 0
+        elif variant == "zero_bool":
+            cfg["zero_optimization"] = True
+            cfg["bf16"] = {"enabled": False}
+            sd["args"].bf16 = False
+        elif variant == "stage_string":
+            cfg["zero_optimization"] = {"stage": "1"}
+            cfg["bf16"] = {"enabled": False}
+            sd["args"].bf16 = False
+        else:
+            sd["ds_config"] = None
+            sd["args"].bf16 = False
+        torch.save(sd, f)
+    with pytest.raises(reshard.DataLoss, match=r"no \*_optim_states.pt files, but") as e:
+        reshard.open_checkpoint(str(dst))
+    want = {"bfloat16_key": "ds_config bfloat16.enabled=true", "zero_bool": "ds_config zero_optimization stage 1",
+            "stage_string": "ds_config zero_optimization stage 1", "no_ds_config": "args.zero_stage=1"}[variant]
+    assert want in str(e.value), str(e.value)

@@ -459,12 +459,42 @@ void Builder::topology() {
     // BF16_Optimizer (bf16) ran [deepspeed/runtime/engine.py _save_zero_checkpoint], and the
     // torch optimizer's state_dict under model_states' `optimizer` otherwise. Loading such a folder
     // as weights only would drop the Adam moments without a word.
+    // Every form DeepSpeed's config parser takes: zero_optimization as a dict (stage an int, a
+    // ZeroStageEnum or a digit string) or as a bool (true = stage 1, deprecated); "bf16" or its
+    // old name "bfloat16" {enabled}. Megatron's args (zero_stage, bf16) decide where ds_config
+    // is missing or says nothing.
     const PyValue* cfg = get(&first->ar.root(), "ds_config");
-    const auto stage = zero_stage_value(get(get(cfg, "zero_optimization"), "stage"));
-    const auto bf16 = opt_bool(get(get(cfg, "bf16"), "enabled"));
+    const PyValue* zo = get(cfg, "zero_optimization");
+    std::optional<int> stage;
+    std::string said;
+    if (zo && zo->kind == Kind::Bool) stage = zo->boolean ? 1 : 0;
+    else if (const PyValue* st = get(zo, "stage")) {
+      stage = zero_stage_value(st);
+      if (!stage && st->kind == Kind::String && !st->text.empty() && st->text.size() < 3 &&
+          std::all_of(st->text.begin(), st->text.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        stage = std::stoi(st->text);
+    }
+    if (stage) said = "ds_config zero_optimization stage " + std::to_string(*stage);
+    std::optional<bool> bf16;
+    for (const char* key : {"bf16", "bfloat16"})
+      if (!bf16) {
+        bf16 = opt_bool(get(get(cfg, key), "enabled"));
+        if (bf16 && *bf16) said += std::string(said.empty() ? "" : ", ") + "ds_config " + key + ".enabled=true";
+      }
+    if (!stage || *stage == 0) {
+      if (const auto zs = opt_int(get(args, "zero_stage")); zs && *zs >= 1) {
+        stage = int(*zs);
+        said += std::string(said.empty() ? "" : ", ") + "args.zero_stage=" + std::to_string(*zs);
+      }
+    }
+    if (!bf16 || !*bf16) {
+      if (const auto ab = opt_bool(get(args, "bf16")); ab && *ab) {
+        bf16 = true;
+        said += std::string(said.empty() ? "" : ", ") + "args.bf16=true";
+      }
+    }
     if ((stage && *stage >= 1) || (bf16 && *bf16))
-      fail(ErrorCode::kDataLoss, dir, ": no *_optim_states.pt files, but ", first->path, " says ds_config ",
-           stage && *stage >= 1 ? "zero_optimization.stage=" + std::to_string(*stage) : std::string("bf16.enabled=true"),
+      fail(ErrorCode::kDataLoss, dir, ": no *_optim_states.pt files, but ", first->path, " says ", said,
            ", so DeepSpeed wrote the optimizer state (fp32 master, exp_avg, exp_avg_sq) to "
            "[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt files (dp_world_size ", dpw ? *dpw : 1,
            "): they are missing (a copy without them?); loading the weights alone would lose the optimizer state");
