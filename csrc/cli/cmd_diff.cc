@@ -263,7 +263,7 @@ Compared compare(const std::string& name, const std::string& state, const Held& 
   c.ok = nonfinite == 0 && c.max_abs_diff <= atol;
   if (nonfinite)
     c.note += std::string(c.note.empty() ? "" : "; ") + std::to_string(nonfinite) +
-              " element(s) NaN or infinite on one side only";
+              " element(s) NaN or infinite where the other side differs";
   if (a.dtype != b.dtype) c.note += std::string(c.note.empty() ? "" : "; ") + dtype_name(a.dtype) + " vs " + dtype_name(b.dtype);
   return c;
 }

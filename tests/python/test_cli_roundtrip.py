@@ -92,11 +92,14 @@ def test_convert_step_name_option(tmp_path):
     # before anything is written (a tester got step-N/step-N and a `latest` among the source files).
     step = next(p for p in a.iterdir() if p.is_dir())
     (step / "sub").mkdir()
-    for out in (step, step / "sub"):
+    for out in (step, step / "sub", step / "new" / "deeper", step / "sub" / ".." / "new2"):
         listing = sorted(p.name for p in step.iterdir())
         r = run("convert", step, out, "--target", "tp=1,dp=1,zero=1")
         assert r.returncode == 2 and "is inside the source step folder" in r.stderr, r.stderr
         assert sorted(p.name for p in step.iterdir()) == listing
+    # Next to the step folder is fine.
+    r = run("convert", step, step.parent / "beside", "--target", "tp=1,dp=1,zero=1")
+    assert r.returncode == 0, r.stderr
 
 
 MPIRUN = shutil.which("mpirun")

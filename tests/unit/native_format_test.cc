@@ -405,6 +405,29 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
   EXPECT_HAS(msg, "metadata.json is not valid JSON");
   EXPECT_HAS(msg, "line 2, column");
+  // A byte order mark, and a key given twice (the first would count here, the last in Python's
+  // json): refused, naming the key and where.
+  {
+    const std::string clean = fresh().dump(1);
+    { std::ofstream(meta, std::ios::trunc | std::ios::binary) << "\xEF\xBB\xBF" << clean; }
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, "byte order mark");
+    std::string twice = clean;
+    const size_t at = twice.find("\"checksum\"");
+    ASSERT_NE(at, std::string::npos);
+    twice.insert(at, "\"checksum\": \"md5\",\n ");
+    { std::ofstream(meta, std::ios::trunc) << twice; }
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, "key 'checksum' appears twice in the top-level object");
+    j = fresh();
+    std::string inner = j.dump(1);
+    const size_t p3 = inner.find("\"base\"");
+    ASSERT_NE(p3, std::string::npos);
+    inner.insert(p3, "\"base\": 0,\n ");
+    { std::ofstream(meta, std::ios::trunc) << inner; }
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, "key 'base' appears twice in field 'pieces[0]'");
+  }
   // An integer past int64 is refused naming its field, not wrapped to a negative size.
   j = fresh();
   j["buffers"][1]["numel"] = uint64_t(1) << 63;

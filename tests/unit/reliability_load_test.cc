@@ -395,8 +395,10 @@ TEST(ReliabilityTopology, ModelThatDoesNotFitIsRefusedNamingTheField) {
   EXPECT_HAS(msg, "tp='+2' is not an integer");
   EXPECT_EQ(Topology::parse("tp=2,dp=2,").dp, 2);  // one trailing comma is fine
   msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=1,dp=1000000"); });
-  EXPECT_HAS(msg, "has 1000000 ranks; at most 131072");
-  EXPECT_EQ(Topology::parse("tp=8,pp=16,dp=1024").world_size(), 131072);
+  EXPECT_HAS(msg, "has 1000000 ranks; at most 65536");
+  EXPECT_EQ(Topology::parse("tp=8,pp=16,dp=512").world_size(), 65536);
+  msg = expect_error(ErrorCode::kInvalidArgument, [&] { Topology::parse("tp=1,dp=65537"); });
+  EXPECT_HAS(msg, "at most 65536");
 
   Ckpt c("world", m, "tp=1,dp=1,zero=1");
   auto ck = open_checkpoint(c.root);

@@ -100,7 +100,39 @@ std::vector<int64_t> Field::i64s() const {
 
 std::string Field::minified() const { return simdjson::minify(e_); }
 
+namespace {
+
+// A key given twice in one object: simdjson's lookups take the first, Python's json and
+// nlohmann the last, so two tools would read different metadata. Refused, naming the key.
+void refuse_duplicate_keys(simdjson::dom::element e, const std::string& path, const std::string& file) {
+  if (e.type() == simdjson::dom::element_type::ARRAY) {
+    size_t i = 0;
+    for (simdjson::dom::element v : simdjson::dom::array(e))
+      if (v.type() == simdjson::dom::element_type::ARRAY || v.type() == simdjson::dom::element_type::OBJECT)
+        refuse_duplicate_keys(v, path + "[" + std::to_string(i++) + "]", file);
+      else
+        ++i;
+    return;
+  }
+  if (e.type() != simdjson::dom::element_type::OBJECT) return;
+  std::vector<std::string_view> keys;
+  for (simdjson::dom::key_value_pair kv : simdjson::dom::object(e)) {
+    keys.push_back(kv.key);
+    if (kv.value.type() == simdjson::dom::element_type::ARRAY || kv.value.type() == simdjson::dom::element_type::OBJECT)
+      refuse_duplicate_keys(kv.value, path.empty() ? std::string(kv.key) : path + "." + std::string(kv.key), file);
+  }
+  std::sort(keys.begin(), keys.end());
+  for (size_t k = 1; k < keys.size(); ++k)
+    if (keys[k] == keys[k - 1])
+      fail(ErrorCode::kDataLoss, file, ": key '", keys[k], "' appears twice in ", path.empty() ? "the top-level object" : "field '" + path + "'",
+           " (readers disagree on which one counts)");
+}
+
+}  // namespace
+
 JsonDoc::JsonDoc(std::string_view text, std::string file) : file_(std::move(file)) {
+  if (text.substr(0, 3) == "\xEF\xBB\xBF")
+    fail(ErrorCode::kDataLoss, file_, " is not valid JSON: it starts with a UTF-8 byte order mark (written by an editor?)");
   // simdjson reads up to SIMDJSON_PADDING bytes past the end: parse a padded copy.
   const simdjson::padded_string padded(text);
   if (auto err = parser_.parse(padded).get(root_)) {
@@ -113,6 +145,7 @@ JsonDoc::JsonDoc(std::string_view text, std::string file) : file_(std::move(file
     }
     fail(ErrorCode::kDataLoss, file_, " is not valid JSON: ", why);
   }
+  refuse_duplicate_keys(root_, "", file_);
 }
 
 namespace {
