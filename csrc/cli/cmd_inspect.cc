@@ -55,10 +55,11 @@ json stats_of(const std::vector<float>& v) {
   double ss = 0;
   for (double x : v)
     if (std::isfinite(x)) ss += (x - mean) * (x - mean);
-  j["mean"] = mean;
-  j["std"] = m ? std::sqrt(ss / double(m)) : 0.0;
-  j["min"] = m ? mn : 0.0;
-  j["max"] = m ? mx : 0.0;
+  // No finite element (all NaN / Inf): null, not a made-up 0.
+  j["mean"] = m ? json(mean) : json(nullptr);
+  j["std"] = m ? json(std::sqrt(ss / double(m))) : json(nullptr);
+  j["min"] = m ? json(mn) : json(nullptr);
+  j["max"] = m ? json(mx) : json(nullptr);
   j["zero_fraction"] = double(zeros) / double(n);
   if (nonfinite) j["non_finite"] = nonfinite;
   return j;
@@ -196,9 +197,15 @@ Command inspect_command() {
       if (j.contains("stats"))
         for (auto& [k, v] : j["stats"].items()) {
           if (!v.contains("mean")) continue;
-          std::printf("      %-10s mean %-12.6g std %-12.6g min %-12.6g max %-12.6g zeros %.4f", k.c_str(),
-                      v["mean"].get<double>(), v["std"].get<double>(), v["min"].get<double>(), v["max"].get<double>(),
-                      v["zero_fraction"].get<double>());
+          const bool none_finite = v.contains("non_finite") && v.contains("numel") &&
+                                   v["non_finite"].get<int64_t>() == v["numel"].get<int64_t>();
+          if (none_finite)  // mean..max over no element: print none rather than zeros
+            std::printf("      %-10s mean %-12s std %-12s min %-12s max %-12s zeros %.4f", k.c_str(), "-", "-", "-", "-",
+                        v["zero_fraction"].get<double>());
+          else
+            std::printf("      %-10s mean %-12.6g std %-12.6g min %-12.6g max %-12.6g zeros %.4f", k.c_str(),
+                        v["mean"].get<double>(), v["std"].get<double>(), v["min"].get<double>(), v["max"].get<double>(),
+                        v["zero_fraction"].get<double>());
           // NaN / Inf are left out of mean..max; say how many there are, or they stay invisible.
           if (v.contains("non_finite"))
             std::printf("  NON-FINITE %lld (NaN or Inf; left out of mean, std, min, max)",

@@ -155,3 +155,12 @@ def test_stats_text_names_nan_and_inf(tmp_path):
     j = json.loads(run("inspect", tmp_path / "bad", "--json", "--stats").stdout)
     counts = sorted(s.get("non_finite", 0) for t in j["tensors"] for s in t["stats"].values())
     assert counts[-2:] == [1, 1] and sum(counts) == 2, counts
+    # A state with no finite element: no made-up statistics.
+    live[fp32].fill_(float("nan"))
+    reshard.save(str(tmp_path / "nan"), "step-1", L, live)
+    text = run("inspect", tmp_path / "nan", "--stats")
+    line = next(l for l in text.stdout.splitlines() if l.split()[:1] == ["fp32"] and "NON-FINITE" in l)
+    assert "mean -" in line and "max -" in line, line
+    j = json.loads(run("inspect", tmp_path / "nan", "--json", "--stats").stdout)
+    allnan = [s for t in j["tensors"] for k, s in t["stats"].items() if k == "fp32" and s.get("non_finite") == s["numel"]]
+    assert allnan and all(s["mean"] is None and s["max"] is None for s in allnan), allnan[:1]
