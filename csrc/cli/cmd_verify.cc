@@ -61,7 +61,11 @@ Command verify_command() {
       problems = verify_all(*ckpt);
       for (const auto& n : ckpt->notes())
         if (n.rfind("missing data file ", 0) == 0) missing.push_back(n);
-      Topology t1;  // tp=1, pp=1, dp=1, zero=0 of the checkpoint's own model
+      // Coverage at pp=1, dp=1, zero=0 and the checkpoint's own tp: every element of every
+      // tensor must come from some file. Keeping tp keeps partial_sum tensors (summed over tp,
+      // which a tp change would need and reshard does not do) checkable.
+      Topology t1;
+      t1.tp = src.layout.topo.tp;
       Layout target = layout_like(src, t1);
       for (const auto& g : find_coverage_gaps(src, target))
         uncovered.push_back("tensor " + g.tensor + " (" + state_kind_name(g.state) + "): elements " +
