@@ -125,3 +125,28 @@ def test_bad_path_exit_2_one_line(tmp_path, which, cmd):
     r = run(*args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert str(bad) in one_line_error(r)
+
+
+def test_partial_sum_tensor_at_tp2_verifies_and_gaps_are_found(tmp_path):
+    """A model whose rule declares a partial_sum tensor: verify used to plan to tp=1, which would
+    have to sum the tp ranks' partial values (not implemented), and exited 2 without checking a
+    checksum (tester). It checks coverage at the stored tp now."""
+    import collections
+    model = tmp_path / "m.yaml"
+    model.write_text(MODEL.read_text() + "rules:\n"
+                     "  - {pattern: 'layers\\.\\d+\\.mlp\\.dense_4h_to_h\\.bias', split: replicated, reduction: partial_sum}\n")
+    ck = tmp_path / "ps"
+    r = run("synth", ck, "--model", model, "--layout", "tp=2,dp=2,zero=1", "--seed", 4)
+    assert r.returncode == 0, r.stderr
+    r = run("verify", ck)
+    assert r.returncode == 0 and "OK:" in r.stdout, r.stdout + r.stderr
+    meta = step_dir(ck) / "metadata.json"
+    d = json.loads(meta.read_text())
+    key = lambda p: (p["array"], tuple(p["off"]), tuple(p["len"]))
+    count = collections.Counter(key(p) for p in d["pieces"])
+    drop = next(i for i, p in enumerate(d["pieces"]) if count[key(p)] == 1 and d["arrays"][p["array"]]["state"] == "fp32")
+    tensor = d["arrays"][d["pieces"][drop]["array"]]["tensor"]
+    d["pieces"] = [p for i, p in enumerate(d["pieces"]) if i != drop]
+    meta.write_text(json.dumps(d))
+    r = run("verify", ck)
+    assert r.returncode == 1 and f"uncovered: tensor {tensor} (fp32)" in r.stdout, r.stdout + r.stderr
