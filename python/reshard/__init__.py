@@ -325,7 +325,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     ``tensors``: ``{buffer name: tensor}`` for every buffer of ``target`` whose rank is this rank
     (or a list indexed like ``target.buffers`` with None for other ranks). Each tensor must be
     contiguous, with the buffer's dtype and numel (shape free: a [out, in] weight or a 1-D flat
-    partition), all on one device. CPU tensors are written in place and nothing else is allocated
+    partition), all on one device, and not a lazy negation or conjugation view (``_neg_view``,
+    ``.conj()``: its bytes are not its values; InvalidArgument). CPU tensors are written in place and nothing else is allocated
     at their size. CUDA tensors (a trainer on GPUs): the state is loaded into pinned host tensors
     (host memory = this rank's live bytes), exchanged over ``comm`` (the trainer's NCCL group by
     default), then copied to the device tensors once the whole load succeeded; the report adds
