@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "formats/safetensors/safetensors.h"
@@ -359,155 +360,123 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
     synth_checkpoint(root, m, Topology::parse("tp=2,dp=1,zero=1"), 5);
     return load_json(meta);
   };
+  // The error opening the checkpoint raises once `text` is its metadata.json.
+  auto refused_text = [&](ErrorCode code, const std::string& text) {
+    { std::ofstream(meta, std::ios::trunc | std::ios::binary) << text; }
+    return expect_error(code, [&] { open_checkpoint(root); });
+  };
+  // ... once `edit` changed a fresh checkpoint's metadata (and, if it likes, its files).
+  auto refused = [&](ErrorCode code, const std::function<void(json&)>& edit) {
+    json j = fresh();
+    edit(j);
+    return refused_text(code, j.dump(1));
+  };
+  // `text` with `what` inserted right before the first `before`.
+  auto inserted = [](std::string text, const std::string& before, const std::string& what) {
+    const size_t at = text.find(before);
+    EXPECT_NE(at, std::string::npos) << before;
+    return at == std::string::npos ? text : text.insert(at, what);
+  };
+
   // A piece pointing past the end of its buffer.
-  json j = fresh();
-  j["pieces"][3]["base"] = int64_t(1) << 40;
-  store_json(meta, j);
-  std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  std::string msg = refused(ErrorCode::kDataLoss, [](json& j) { j["pieces"][3]["base"] = int64_t(1) << 40; });
   EXPECT_HAS(msg, "metadata.json");
   EXPECT_HAS(msg, "pieces[3]");
   EXPECT_HAS(msg, "outside buffer");
   // A buffer larger than the tensor the file holds.
-  j = fresh();
-  j["buffers"][0]["numel"] = j["buffers"][0]["numel"].get<int64_t>() + 1000;
-  std::string bname = j["buffers"][0]["name"];
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  std::string bname;
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+    j["buffers"][0]["numel"] = j["buffers"][0]["numel"].get<int64_t>() + 1000;
+    bname = j["buffers"][0]["name"];
+  });
   EXPECT_HAS(msg, "rank_00000.safetensors");
   EXPECT_HAS(msg, bname);
   // A data file whose header points past its end, with metadata agreeing on the short size.
-  j = fresh();
-  {
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
     const std::string file = io::join(root, "step-1/rank_00001.safetensors");
     std::string bytes = io::read_text(file);
     bytes.resize(bytes.size() - 64);
     { std::ofstream(file, std::ios::trunc | std::ios::binary) << bytes; }
     for (auto& f : j["files"])
       if (f["name"] == "rank_00001.safetensors") f["bytes"] = bytes.size();
-    store_json(meta, j);
-  }
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  });
   EXPECT_HAS(msg, "rank_00001.safetensors: buffer ");
   EXPECT_HAS(msg, "lies outside the file");
   // A field of the wrong type is named.
-  j = fresh();
-  j["buffers"][2]["dtype"] = 7;
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["buffers"][2]["dtype"] = 7; });
   EXPECT_HAS(msg, "field 'buffers[2].dtype'");
-  j = fresh();
-  j.erase("topology");
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j.erase("topology"); });
   EXPECT_HAS(msg, "field 'topology' is missing");
   // Not JSON at all: the message says where (nlohmann's line and column).
-  { std::ofstream(meta, std::ios::trunc) << "{\n \"format\": nope}"; }
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused_text(ErrorCode::kDataLoss, "{\n \"format\": nope}");
   EXPECT_HAS(msg, "metadata.json is not valid JSON");
   EXPECT_HAS(msg, "line 2, column");
   // A byte order mark, and a key given twice (the first would count here, the last in Python's
   // json): refused, naming the key and where.
-  {
-    const std::string clean = fresh().dump(1);
-    { std::ofstream(meta, std::ios::trunc | std::ios::binary) << "\xEF\xBB\xBF" << clean; }
-    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
-    EXPECT_HAS(msg, "byte order mark");
-    std::string twice = clean;
-    const size_t at = twice.find("\"checksum\"");
-    ASSERT_NE(at, std::string::npos);
-    twice.insert(at, "\"checksum\": \"md5\",\n ");
-    { std::ofstream(meta, std::ios::trunc) << twice; }
-    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
-    EXPECT_HAS(msg, "key 'checksum' appears twice in the top-level object");
-    j = fresh();
-    std::string inner = j.dump(1);
-    const size_t p3 = inner.find("\"base\"");
-    ASSERT_NE(p3, std::string::npos);
-    inner.insert(p3, "\"base\": 0,\n ");
-    { std::ofstream(meta, std::ios::trunc) << inner; }
-    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
-    EXPECT_HAS(msg, "key 'base' appears twice in field 'pieces[0]'");
-  }
+  const std::string clean = fresh().dump(1);
+  msg = refused_text(ErrorCode::kDataLoss, "\xEF\xBB\xBF" + clean);
+  EXPECT_HAS(msg, "byte order mark");
+  msg = refused_text(ErrorCode::kDataLoss, inserted(clean, "\"checksum\"", "\"checksum\": \"md5\",\n "));
+  EXPECT_HAS(msg, "key 'checksum' appears twice in the top-level object");
+  msg = refused_text(ErrorCode::kDataLoss, inserted(clean, "\"base\"", "\"base\": 0,\n "));
+  EXPECT_HAS(msg, "key 'base' appears twice in field 'pieces[0]'");
   // An integer past int64 is refused naming its field, not wrapped to a negative size.
-  j = fresh();
-  j["buffers"][1]["numel"] = uint64_t(1) << 63;
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["buffers"][1]["numel"] = uint64_t(1) << 63; });
   EXPECT_HAS(msg, "field 'buffers[1].numel': integer out of range");
   // A negative file size.
-  j = fresh();
-  j["files"][0]["bytes"] = -5;
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["files"][0]["bytes"] = -5; });
   EXPECT_HAS(msg, "field 'files[0].bytes': must not be negative");
   // A float where an integer belongs.
-  j = fresh();
-  j["pieces"][3]["base"] = 1.5;
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["pieces"][3]["base"] = 1.5; });
   EXPECT_HAS(msg, "field 'pieces[3].base': expected an integer");
   // A piece without its checksum (deleted, emptied, not hex): refused at open, since a piece with
   // no checksum would load unchecked even under verify="full" (helper report, session 8).
   for (const json& bad : {json(nullptr), json(""), json("D432FF013EDDF4C8"), json("d432ff01")}) {
-    j = fresh();
-    if (bad.is_null()) j["pieces"][5].erase("xxh3");
-    else j["pieces"][5]["xxh3"] = bad;
-    store_json(meta, j);
-    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+      if (bad.is_null()) j["pieces"][5].erase("xxh3");
+      else j["pieces"][5]["xxh3"] = bad;
+    });
     EXPECT_HAS(msg, "field 'pieces[5].xxh3'");
     EXPECT_HAS(msg, "16 lowercase hex digits");
   }
-  j = fresh();
-  j["checksum"] = "md5";
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kUnsupported, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kUnsupported, [](json& j) { j["checksum"] = "md5"; });
   EXPECT_HAS(msg, "field 'checksum' is 'md5'");
   // Two pieces over the same elements of one buffer, each with a matching checksum (the second
   // given the first's base and checksum): one tensor's values would load into another.
-  j = fresh();
+  int a = -1, b = -1;
   {
-    int a = -1, b = -1;
+    const json j = fresh();
     for (int k = 0; k < int(j["pieces"].size()) && b < 0; ++k) {
       const json& p = j["pieces"][k];
       if (a < 0) a = k;
       else if (p["buffer"] == j["pieces"][a]["buffer"] && p["len"] == j["pieces"][a]["len"]) b = k;
       else if (p["buffer"] != j["pieces"][a]["buffer"]) a = k;
     }
-    ASSERT_GE(b, 0) << "no two pieces of one shape in one buffer";
+  }
+  ASSERT_GE(b, 0) << "no two pieces of one shape in one buffer";
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
     j["pieces"][b]["base"] = j["pieces"][a]["base"];
     j["pieces"][b]["xxh3"] = j["pieces"][a]["xxh3"];
-    store_json(meta, j);
-    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
-    EXPECT_HAS(msg, "overlap pieces[" + std::to_string(a) + "]");
-    EXPECT_HAS(msg, "never share an element");
-    // The same overlap by one element, with an empty piece sorted between the two.
-    j = fresh();
+  });
+  EXPECT_HAS(msg, "overlap pieces[" + std::to_string(a) + "]");
+  EXPECT_HAS(msg, "never share an element");
+  // The same overlap by one element, with an empty piece sorted between the two.
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
     j["pieces"][b]["base"] = j["pieces"][a]["base"].get<int64_t>() + 1;
     json empty = j["pieces"][a];
     empty["base"] = j["pieces"][b]["base"];
     empty["len"][0] = 0;
     j["pieces"].push_back(empty);
-    store_json(meta, j);
-    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
-    EXPECT_HAS(msg, "field 'pieces[" + std::to_string(b) + "]'");
-    EXPECT_HAS(msg, "overlap pieces[" + std::to_string(a) + "]");
-  }
+  });
+  EXPECT_HAS(msg, "field 'pieces[" + std::to_string(b) + "]'");
+  EXPECT_HAS(msg, "overlap pieces[" + std::to_string(a) + "]");
   // Non-tensor state: counters below -1 (unknown) and a json that is not an object.
-  j = fresh();
-  j["state"]["iteration"] = -7;
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["state"]["iteration"] = -7; });
   EXPECT_HAS(msg, "field 'state.iteration': must be -1 (unknown) or more");
-  j = fresh();
-  j["state"]["json"] = json::array({1, 2});
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["state"]["json"] = json::array({1, 2}); });
   EXPECT_HAS(msg, "field 'state.json': expected an object");
   // A newer format version.
-  j = fresh();
-  j["format_version"] = 2;
-  store_json(meta, j);
-  msg = expect_error(ErrorCode::kUnsupported, [&] { open_checkpoint(root); });
+  msg = refused(ErrorCode::kUnsupported, [](json& j) { j["format_version"] = 2; });
   EXPECT_HAS(msg, "format_version 2");
   io::remove_all(root);
 }
