@@ -14,6 +14,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <thread>
 
 #include "cli/commands.h"
@@ -40,34 +41,6 @@ struct ConvertArgs {
 std::string real_path(const std::string& p) {
   char buf[PATH_MAX];
   return ::realpath(p.c_str(), buf) ? std::string(buf) : p;
-}
-
-// The real path `p` will have: its longest existing ancestor resolved (symlinks, "..") and the
-// rest appended ("/a/link/../new/x" with only /a existing -> realpath(/a)/new/x after folding).
-std::string resolved_future_path(const std::string& p) {
-  std::string head = p.empty() ? "." : p, tail;
-  while (!io::exists(head)) {
-    const size_t slash = head.find_last_of('/');
-    const std::string last = slash == std::string::npos ? head : head.substr(slash + 1);
-    tail = tail.empty() ? last : last + "/" + tail;
-    if (slash == std::string::npos) {
-      head = ".";
-      break;
-    }
-    head = slash == 0 ? "/" : head.substr(0, slash);
-  }
-  std::string out = real_path(head);
-  // Fold what does not exist yet: "." and ".." act lexically there.
-  size_t pos = 0;
-  while (pos <= tail.size() && !tail.empty()) {
-    size_t next = tail.find('/', pos);
-    if (next == std::string::npos) next = tail.size();
-    const std::string part = tail.substr(pos, next - pos);
-    if (part == "..") out = out.substr(0, std::max<size_t>(1, out.find_last_of('/')));
-    else if (!part.empty() && part != ".") out += (out == "/" ? "" : "/") + part;
-    pos = next + 1;
-  }
-  return out;
 }
 
 // Checks every checksummed unit of the source (native: each piece's xxh3; DeepSpeed: each zip
@@ -179,7 +152,10 @@ Command convert_command() {
       // OUT inside the source step folder (e.g. OUT = the step folder itself) would write a new
       // checkpoint root, `latest` included, among the source's files.
       {
-        const std::string out_real = resolved_future_path(a->out) + "/", src_real = real_path(ckpt->path()) + "/";
+        // weakly_canonical: the existing leading part resolved (symlinks, ".."), the rest folded.
+        std::error_code ec;
+        const std::string out_real = std::filesystem::weakly_canonical(a->out, ec).string() + "/";
+        const std::string src_real = real_path(ckpt->path()) + "/";
         if (out_real.compare(0, src_real.size(), src_real) == 0)
           fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " is inside the source step folder ", ckpt->path(),
                "; give the output root outside it");

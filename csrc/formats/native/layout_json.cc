@@ -33,14 +33,6 @@ Field Field::operator[](std::string_view key) const {
   return Field(v, std::move(p), file_);
 }
 
-Field Field::operator[](size_t i) const {
-  simdjson::dom::array a;
-  if (e_.get_array().get(a)) bad("expected an array");
-  simdjson::dom::element v;
-  if (i >= a.size() || a.at(i).get(v)) bad("index " + std::to_string(i) + " out of range");
-  return Field(v, path_ + "[" + std::to_string(i) + "]", file_);
-}
-
 std::vector<Field> Field::items() const {
   simdjson::dom::array a;
   if (e_.get_array().get(a)) bad("expected an array");
@@ -107,11 +99,11 @@ namespace {
 void refuse_duplicate_keys(simdjson::dom::element e, const std::string& path, const std::string& file) {
   if (e.type() == simdjson::dom::element_type::ARRAY) {
     size_t i = 0;
-    for (simdjson::dom::element v : simdjson::dom::array(e))
+    for (simdjson::dom::element v : simdjson::dom::array(e)) {
       if (v.type() == simdjson::dom::element_type::ARRAY || v.type() == simdjson::dom::element_type::OBJECT)
-        refuse_duplicate_keys(v, path + "[" + std::to_string(i++) + "]", file);
-      else
-        ++i;
+        refuse_duplicate_keys(v, path + "[" + std::to_string(i) + "]", file);
+      ++i;
+    }
     return;
   }
   if (e.type() != simdjson::dom::element_type::OBJECT) return;

@@ -30,8 +30,6 @@ class Field {
   bool is_object() const { return e_.type() == simdjson::dom::element_type::OBJECT; }
   bool has(std::string_view key) const;  // false also when this is not an object
   Field operator[](std::string_view key) const;  // kDataLoss when missing or not an object
-  /// The i-th array element: O(i) on simdjson's tape, so loops use items().
-  Field operator[](size_t i) const;
   /// Every array element, in order (kDataLoss if not an array).
   std::vector<Field> items() const;
   /// Every object member (key, value), in the document's order (kDataLoss if not an object).
@@ -89,7 +87,7 @@ struct Metadata {
   NonTensorState state;
   std::vector<std::string> buffer_files;  ///< per buffer: its data file's name
   std::vector<int> buffer_file;           ///< per buffer: its index in `files`
-  std::vector<std::string> checksums;     ///< per piece: hex xxh3-64, "" when absent
+  std::vector<std::string> checksums;     ///< per piece: xxh3-64 as 16 lowercase hex digits
   std::vector<std::pair<std::string, int64_t>> files;  ///< data files: plain rank file name, bytes
 };
 /// Parses a metadata.json text named `path` in errors: kDataLoss for text that is not JSON or a
