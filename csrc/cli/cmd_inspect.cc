@@ -197,15 +197,15 @@ Command inspect_command() {
       if (j.contains("stats"))
         for (auto& [k, v] : j["stats"].items()) {
           if (!v.contains("mean")) continue;
-          const bool none_finite = v.contains("non_finite") && v.contains("numel") &&
-                                   v["non_finite"].get<int64_t>() == v["numel"].get<int64_t>();
-          if (none_finite)  // mean..max over no element: print none rather than zeros
-            std::printf("      %-10s mean %-12s std %-12s min %-12s max %-12s zeros %.4f", k.c_str(), "-", "-", "-", "-",
-                        v["zero_fraction"].get<double>());
-          else
-            std::printf("      %-10s mean %-12.6g std %-12.6g min %-12.6g max %-12.6g zeros %.4f", k.c_str(),
-                        v["mean"].get<double>(), v["std"].get<double>(), v["min"].get<double>(), v["max"].get<double>(),
-                        v["zero_fraction"].get<double>());
+          // null (no finite element: all NaN / Inf) prints as "-".
+          auto num = [&](const char* key) {
+            if (v[key].is_null()) return std::string("-");
+            char buf[32];
+            std::snprintf(buf, sizeof buf, "%.6g", v[key].get<double>());
+            return std::string(buf);
+          };
+          std::printf("      %-10s mean %-12s std %-12s min %-12s max %-12s zeros %.4f", k.c_str(), num("mean").c_str(),
+                      num("std").c_str(), num("min").c_str(), num("max").c_str(), v["zero_fraction"].get<double>());
           // NaN / Inf are left out of mean..max; say how many there are, or they stay invisible.
           if (v.contains("non_finite"))
             std::printf("  NON-FINITE %lld (NaN or Inf; left out of mean, std, min, max)",

@@ -41,12 +41,11 @@ Topology Topology::parse(const std::string& text) {
     if (std::find(seen.begin(), seen.end(), key) != seen.end())
       fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, " is given twice");
     seen.push_back(key);
-    char* end = nullptr;
-    errno = 0;
-    long v = std::strtol(val.c_str(), &end, 10);
-    const bool digits = !val.empty() && std::all_of(val.begin(), val.end(), [](char c) { return c >= '0' && c <= '9'; });
-    if (!digits || *end != '\0')
+    // Plain decimal digits only (strtol alone takes a sign).
+    if (val.empty() || !std::all_of(val.begin(), val.end(), [](char c) { return c >= '0' && c <= '9'; }))
       fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, "='", val, "' is not an integer");
+    errno = 0;
+    long v = std::strtol(val.c_str(), nullptr, 10);
     if (errno == ERANGE) fail(ErrorCode::kInvalidArgument, "layout '", text, "': ", key, "=", val, " is out of range");
     int* field = nullptr;
     if (key == "tp") field = &t.tp;
