@@ -119,9 +119,10 @@ std::vector<ReplicaResult> simulate_plan(const Plan& plan, const Layout& target,
   if (nbad > 0 && policy == ReplicaPolicy::kError) {
     fail(ErrorCode::kDataLoss, "replicated values differ between copies in the checkpoint in ", nbad,
          " region(s): ", bad.str(), " (replica policy 'error', atol ", atol,
-         "; if `reshard verify` finds a checksum mismatch in a copy, the copy is damaged: restore the "
-         "file; if not, the copies diverged in training: choose policy 'first' or 'average', or a tolerance, to "
-         "load anyway); nothing was written");
+         "; if `reshard verify` finds a checksum mismatch in a copy, the copy is damaged: restore the file; "
+         "if not, either a file comes from another run or step (check where each file was copied from; a "
+         "replica policy would load a mix of two runs) or the copies diverged in training (then choose policy "
+         "'first' or 'average', or a tolerance, to load anyway)); nothing was written");
   }
   std::vector<uint8_t> packed;
   for (const Fragment& f : plan.fragments) {
