@@ -192,6 +192,41 @@ Command convert_command() {
           std::sort(problems.begin(), problems.end());
         }
         if (!problems.empty()) fail_checksums(problems, a->out);
+        // Then the weights against the fp32 master (check_weights_against_master): a converted
+        // checkpoint would carry a disagreement on with fresh checksums.
+        // Under mpirun each rank takes a share of the tensors; every rank reaches the all-gather,
+        // also when its share fails to read.
+        MasterCheckOptions mo;
+        mo.memory_budget = po.memory_budget;
+        mo.part = rank;
+        mo.parts = comm ? comm->size() : 1;
+        mo.replicas = false;  // the conversion compares replicas itself, under its policy
+        std::vector<std::string> differ;
+        try {
+          for (const MasterMismatch& m : check_weights_against_master(*ckpt, mo).mismatches) differ.push_back(m.to_string());
+        } catch (const Error& e) {
+          if (!comm) throw;
+          differ.push_back(std::string("reading the weights and masters: ") + e.what());
+        }
+        if (comm) {
+          std::string mine;
+          for (const auto& d : differ) mine += d + "\n";
+          differ.clear();
+          for (const auto& s : comm->all_gather_strings(mine)) {
+            size_t i = 0, j;
+            while ((j = s.find('\n', i)) != std::string::npos) {
+              differ.push_back(s.substr(i, j - i));
+              i = j + 1;
+            }
+          }
+        }
+        if (!differ.empty()) {
+          std::string msg;
+          for (size_t i = 0; i < differ.size() && i < 4; ++i) msg += (i ? "; " : "") + differ[i];
+          if (differ.size() > 4) msg += "; ... (`reshard verify` lists all)";
+          fail(ErrorCode::kDataLoss, differ.size(), " shard(s) of the source hold weights that differ from their fp32 "
+               "master; nothing was written to ", a->out, ": ", msg);
+        }
       }
 
       NonTensorState state = ckpt->state();
@@ -215,7 +250,8 @@ Command convert_command() {
           std::fputs(r.to_text().c_str(), stdout);
           // Re-reads by a second rank of a machine are checked once (by the first), not again.
           if (a->verify != "full") warn_unchecked(a->verify, r.bytes_verified, r.bytes_read - r.bytes_reread_on_node);
-          if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first\n");
+          if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first, and the weights against "
+                      "their fp32 master\n");
           std::printf("wrote %s/%s (%d ranks under mpirun) in %.3f s\n", a->out.c_str(), step.c_str(), comm->size(),
                       since(t0));
         }
@@ -240,7 +276,8 @@ Command convert_command() {
                     plan.target_bytes / 1e9, plan.num_waves);
         for (const auto& n : plan.notes) std::printf("  note: %s\n", n.c_str());
         if (a->verify != "full") warn_unchecked(a->verify, checked.load(), plan.bytes_to_read);
-        if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first\n");
+        if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first, and the weights against "
+                      "their fp32 master\n");
         std::printf("wrote %s/%s (one process) in %.3f s\n", a->out.c_str(), step.c_str(), since(t0));
       }
     } catch (const Error& e) {

@@ -1,5 +1,6 @@
 // reshard verify: reads every stored piece and checks its checksum, every data file's presence and
-// size, and coverage (every element of the checkpoint's own model stored somewhere readable).
+// size, coverage (every element of the checkpoint's own model stored somewhere readable), and that
+// the stored weights are the fp32 master weights rounded (check_weights_against_master).
 // Exit 0 when sound; 1 when the checkpoint is recognisable but has a problem (a missing, truncated
 // or corrupted data file, an uncovered region); 2 when PATH is not a checkpoint.
 #include <cstdio>
@@ -48,6 +49,8 @@ Command verify_command() {
     if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
     std::unique_ptr<CheckpointReader> ckpt;
     std::vector<std::string> problems, missing, uncovered;
+    MasterCheck masters;
+    bool masters_run = false;
     try {
       ckpt = open_checkpoint(a->path, oo);
     } catch (const Error& e) {
@@ -60,7 +63,7 @@ Command verify_command() {
       const SourceLayout& src = ckpt->source();
       problems = verify_all(*ckpt);
       for (const auto& n : ckpt->notes())
-        if (n.rfind("missing data file ", 0) == 0) missing.push_back(n);
+        if (n.rfind("missing data file ", 0) == 0 || n.rfind("missing file: ", 0) == 0) missing.push_back(n);
       // Coverage at pp=1, dp=1, zero=0 and the checkpoint's own tp: every element of every
       // tensor must come from some file. Keeping tp keeps partial_sum tensors (summed over tp,
       // which a tp change would need and reshard does not do) checkable.
@@ -70,8 +73,28 @@ Command verify_command() {
       for (const auto& g : find_coverage_gaps(src, target))
         uncovered.push_back("tensor " + g.tensor + " (" + state_kind_name(g.state) + "): elements " +
                             g.region.to_string() + " of " + shape_of(target, g.tensor, g.state) + " covered by no file");
+      // Weights against masters only where every value can be read (else the reads fail on what
+      // is already reported).
+      if (problems.empty() && missing.empty() && uncovered.empty()) {
+        // With the replica check first; when copies differ (a finding of its own), once more
+        // without it, so that the comparison with the masters still runs and names the files.
+        for (bool replicas : {true, false}) {
+          try {
+            MasterCheckOptions mo;
+            mo.replicas = replicas;
+            masters = check_weights_against_master(*ckpt, mo);
+            masters_run = true;
+            break;
+          } catch (const Error& e) {
+            if (e.code() != ErrorCode::kDataLoss) throw;
+            if (problems.empty() || problems.back() != e.what()) problems.push_back(e.what());
+          }
+        }
+      }
     }
-    const bool ok = problems.empty() && uncovered.empty() && missing.empty();
+    std::vector<std::string> disagree;
+    for (const auto& m : masters.mismatches) disagree.push_back(m.to_string());
+    const bool ok = problems.empty() && uncovered.empty() && missing.empty() && disagree.empty();
     if (a->json) {
       nlohmann::json j;
       j["path"] = ckpt ? ckpt->path() : a->path;
@@ -79,6 +102,10 @@ Command verify_command() {
       j["problems"] = problems;
       j["missing_files"] = missing;
       j["uncovered"] = uncovered;
+      j["weights_vs_master"] = masters_run ? nlohmann::json{{"tensors_checked", masters.tensors_checked},
+                                                            {"elements_checked", masters.elements_checked},
+                                                            {"mismatches", disagree}}
+                                           : nlohmann::json();
       if (ckpt) {
         j["writer"] = ckpt->writer();
         j["layout"] = ckpt->source().layout.topo.to_string();
@@ -94,10 +121,20 @@ Command verify_command() {
       for (const auto& m : missing) std::printf("missing: %s\n", m.c_str());
       for (const auto& p : problems) std::printf("problem: %s\n", p.c_str());
       for (const auto& u : uncovered) std::printf("uncovered: %s\n", u.c_str());
-      if (ok) std::printf("OK: every checksum matches, every file is present and complete, every element is covered\n");
+      for (const auto& d : disagree) std::printf("weights differ from master: %s\n", d.c_str());
+      std::string checked;
+      if (masters_run)
+        checked = masters.tensors_checked
+                      ? ", the weights of " + std::to_string(masters.tensors_checked) + " tensor(s) (" +
+                            std::to_string(masters.elements_checked) + " elements) were compared with their fp32 master"
+                      : ", no tensor stores both weights and an fp32 master to compare";
+      if (ok)
+        std::printf("OK: every checksum matches, every file is present and complete, every element is covered%s\n",
+                    checked.c_str());
       else
-        std::printf("FAILED: %zu problem(s), %zu missing file(s), %zu uncovered region(s)\n", problems.size(),
-                    missing.size(), uncovered.size());
+        std::printf("FAILED: %zu problem(s), %zu missing file(s), %zu uncovered region(s), %zu shard(s) whose weights "
+                    "differ from their master\n",
+                    problems.size(), missing.size(), uncovered.size(), disagree.size());
     }
     return ok ? 0 : 1;
   };

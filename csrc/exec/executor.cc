@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 
 #include "io/file.h"
+#include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/simulate.h"
 #include "reshard/strided.h"
@@ -337,6 +338,28 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
                      verify == VerifyMode::kFull ? "checksum check (verify=\"full\")"
                                                  : "checksum check (verify=\"free\": pieces the memory budget splits)",
                      false);
+    }
+    if (verify == VerifyMode::kFull) {
+      // The checkpoint's weights against its fp32 master (check_weights_against_master: swapped
+      // DeepSpeed tp layer files, files from two saves), the ranks sharing the tensors; after the
+      // checksums, so that a damaged file is named as such first. The load compares replicas
+      // itself, below, under its own policy.
+      std::string merr;
+      try {
+        MasterCheckOptions mo;
+        mo.part = me;
+        mo.parts = W;
+        mo.replicas = false;
+        const MasterCheck mc = check_weights_against_master(source, mo);
+        stats->verify_bytes_read += mc.bytes_read;
+        for (size_t i = 0; i < mc.mismatches.size() && i < 4; ++i)
+          merr += (i ? "; " : "") + mc.mismatches[i].to_string();
+        if (mc.mismatches.size() > 4) merr += "; ... (" + std::to_string(mc.mismatches.size()) + " shards differ)";
+      } catch (const Error& e) {
+        merr = std::string("reading the weights and masters: ") + e.what();
+      }
+      agree_or_throw(comm, merr.empty() ? "" : prefix(comm) + merr, ErrorCode::kDataLoss,
+                     "weights against the fp32 master (verify=\"full\")", false);
     }
     if (plan.replica_compares.empty()) return report;
 

@@ -71,6 +71,62 @@ Consolidated consolidate(const CheckpointReader& reader, const ConsolidateOption
 std::map<std::string, std::vector<float>> consolidate(const CheckpointReader& reader, StateKind state,
                                                       const ConsolidateOptions& options = {});
 
+/// One tensor at one tp rank whose stored weights are not its fp32 master weights rounded.
+struct MasterMismatch {
+  std::string tensor;
+  int tp_rank = 0;
+  DType weight_dtype = DType::BF16;  // the dtype the checkpoint stores the weights in
+  int64_t compared = 0;              // elements of the tp rank's shard (vocab padding rows included)
+  int64_t differing = 0;             // elements where weight != master rounded to weight_dtype
+  std::string first;                 // index of the first of them in the tp rank's shard, "[r, c]"
+  float weight = 0, master = 0;      // the two values there
+  /// Replicated over tp (tp > 1): compared once, on tp rank 0's copy (the one a load uses).
+  bool replicated = false;
+  std::string weight_files, master_files;  // file names holding the two on this tp rank
+  /// "tensor T (tp rank r): K of N weight elements differ from the fp32 master rounded to BF16
+  /// (first at [r, c] ...: weight w, master m); the model files and the optimizer files disagree ..."
+  /// (fp32 weights: "... differ from the fp32 master (first at ..."), ending "...: weights in
+  /// layer_03-model_01-model_states.pt, master in zero_pp_rank_0_mp_rank_01_optim_states.pt, ...".
+  /// A tensor replicated over tp says "(replicated over tp, tp rank 0's copy)".
+  std::string to_string() const;
+};
+
+struct MasterCheck {
+  int64_t tensors_checked = 0;   // tensors with both weights and an fp32 master stored
+  int64_t elements_checked = 0;  // summed over tp ranks
+  uint64_t bytes_read = 0;       // read from the checkpoint for it (replica comparisons included)
+  std::vector<MasterMismatch> mismatches;
+};
+
+/// Checks that every tensor's stored weights equal its fp32 master weights rounded (to nearest
+/// even) to the weights' dtype, element by element at the checkpoint's own tp. Mixed-precision
+/// optimizers keep that true in every checkpoint saved between steps: the master starts as a copy
+/// of the 16-bit (or fp32) parameters, and each step writes the updated master back into them
+/// (DeepSpeed 0.19.8: runtime/zero/stage_1_and_2.py's step copies each fp32 partition into the
+/// bit16 partition, then all-gathers it; runtime/bf16_optimizer.py's update_lp_params does the
+/// same; Megatron's mixed-precision optimizers copy main params to model params after the step.
+/// A checkpoint whose files come from one save holds both sides of that copy). A difference means the 16-bit model files and the optimizer files disagree: two
+/// tp ranks' layer files swapped (same shapes, every checksum valid), files from different saves,
+/// or weights edited without their master; a load would start from the weights and the first
+/// step would overwrite them from the master. Tensors without both a stored weight and a stored
+/// master (ZeRO-3 checkpoints store no 16-bit weights; weights-only checkpoints) are skipped.
+/// Memory: the weights and masters of a batch of tensors at a time, at most
+/// options.memory_budget bytes unless one tensor's shards alone are larger. Errors: the reader's
+/// read errors; Error(kDataLoss) when a region is covered by no file, or (options.replicas)
+/// copies of a replicated weight or master differ. Used by `reshard verify`, by loads with
+/// verify="full" and by `convert --verify full`.
+struct MasterCheckOptions {
+  uint64_t memory_budget = uint64_t(1) << 30;
+  /// Only the k-th tensor with both stored where k % parts == part (in the checkpoint's tensor
+  /// order), so the ranks of a load share the work.
+  int part = 0, parts = 1;
+  /// Compare the copies of replicated tensors too (the planner's replica check, policy error).
+  /// Off: the first copy of each is compared with the master, the others are not read (a load
+  /// compares replicas itself, under its own policy).
+  bool replicas = true;
+};
+MasterCheck check_weights_against_master(const CheckpointReader& reader, const MasterCheckOptions& options = {});
+
 /// In-memory buffers of a layout as a source: file i is buffer i (offset 0). With `memory_read`
 /// (buffers[i] points at buffer i's bytes) it lets a target be consolidated or planned from again
 /// (A -> B -> A checks).

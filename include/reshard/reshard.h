@@ -37,7 +37,11 @@ struct LoadOptions {
   ///    bytes_read - bytes_reread_on_node says how much was.
   ///  - "full": every unit the load touches (also those cut between fragments), read whole by
   ///    one rank and checked in the pre-flight before any write, so any mismatch is kDataLoss
-  ///    with no live tensor written; the pass counts in verify_bytes_read.
+  ///    with no live tensor written; the pass counts in verify_bytes_read. Then the
+  ///    checkpoint's weights against its fp32 master (check_weights_against_master, the ranks
+  ///    sharing the tensors): a weight that is not its master rounded (DeepSpeed tp layer files
+  ///    swapped, files from different saves) is kDataLoss naming tensor, tp rank and element on
+  ///    every rank, with no live tensor written.
   ///  - "off": none.
   /// Errors: a mismatch is Error(kDataLoss) naming file, tensor/record and byte range, or
   /// kFailedPrecondition ("the live state is unusable") when checked pieces were already copied;

@@ -345,7 +345,10 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     that opened different checkpoints (another step or save) raise FailedPrecondition before any
     write.
     "full" reads every unit the load touches whole on one rank and checks it before any write (all
-    or nothing; the pass counts in "verify_bytes_read"). "off": none.
+    or nothing; the pass counts in "verify_bytes_read"), then compares the checkpoint's
+    16-bit weights with its fp32 master rounded to their dtype, the ranks sharing the tensors
+    (DeepSpeed's optimizers keep them equal in every save; a difference means swapped tp layer
+    files, files from different saves or edited weights). "off": none.
 
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
     "bytes_read", "bytes_reread_on_node" (part of bytes_read that a second rank of a machine read
@@ -365,7 +368,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     strictness, shapes, a model whose vocab differs from the checkpoint's, a verify value other
     than off/free/full, io_threads outside 1..1024), DataLoss
     (uncovered elements, missing or short files, replicas that differ under policy "error": names
-    the tensor and max |diff|; any checksum mismatch with verify="full", one in a piece sent to
+    the tensor and max |diff|; any checksum mismatch with verify="full", or weights that differ
+    from their fp32 master (names tensor, tp rank and element); one checksum mismatch in a piece sent to
     another rank with "free"), InvalidArgument (tensors on several devices), Internal (ranks given
     different ``verify`` values or replica policies, or inputs that plan differently). After live
     tensors were partly written: FailedPrecondition ("free": a checksum mismatch

@@ -448,6 +448,64 @@ TEST(MpiLoad, ACorruptedPieceInOneMachinesCopyFailsEveryRankBeforeAnyWrite) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// A weight that is not its fp32 master rounded (here one bf16 ulp off in tp rank 1's shard,
+// rewritten through the writer so every checksum holds; in the field: swapped DeepSpeed tp layer
+// files, files from two saves): verify="full" fails every rank in the pre-flight, the ranks
+// sharing the comparison, naming tensor, tp rank and files, before any write; "free" does not
+// compare and loads.
+TEST(MpiLoad, WeightsThatDifferFromTheirMasterFailFullVerifyOnEveryRankBeforeAnyWrite) {
+  Communicator& comm = world();
+  std::string dir = shared_dir();
+  const ModelConfig m = mid_model();
+  const std::string tensor = "layers.1.mlp.dense_4h_to_h.weight";
+  if (comm.rank() == 0) {
+    synth_checkpoint(dir + "/ck", m, Topology::parse("tp=2,pp=1,dp=1,zero=1"), 9);
+    auto sound = open_checkpoint(dir + "/ck");
+    const SourceLayout& s = sound->source();
+    std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
+    std::vector<const void*> ptrs;
+    bool edited = false;
+    for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
+      const Buffer& buf = s.layout.buffers[b];
+      mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
+      sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
+      if (buf.rank == 1 && buf.name == "weight/" + tensor) {
+        mem[b][2 * 5] ^= 1;  // element 5, low bit of the bf16 mantissa
+        edited = true;
+      }
+      ptrs.push_back(mem[b].data());
+    }
+    EXPECT_TRUE(edited);
+    save_native_all_ranks(dir + "/ck", "step-99", s.layout, ptrs, sound->state());
+  }
+  comm.barrier();
+  auto ckpt = open_checkpoint(dir + "/ck");
+  ASSERT_NE(ckpt->path().find("step-99"), std::string::npos) << ckpt->path();
+  Layout target = derive_layout(m, Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  RankLive live(target, comm.rank());
+  LoadOptions lo;
+  lo.verify = "full";
+  std::string msg;
+  try {
+    load(*ckpt, target, live.ptrs(), comm, lo);
+    ADD_FAILURE() << "a weight that differs from its master loaded under verify=full";
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << msg;
+    EXPECT_NE(msg.find("weights against the fp32 master (verify=\"full\") failed before any live tensor was written"),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("tensor " + tensor + " (tp rank 1): 1 of "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("weights in rank_00001.safetensors, master in rank_00001.safetensors"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(live.untouched()) << "rank " << comm.rank() << " wrote a live tensor";
+  expect_same_on_every_rank(comm, msg);
+  lo.verify = "free";
+  LoadReport r = load(*ckpt, target, live.ptrs(), comm, lo);
+  EXPECT_GT(r.target_bytes, 0u);
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // Under replica policy "average" the other saved copies of a replicated tensor are read and
 // averaged in; when the budget cuts the tensor they are read chunk by chunk too, and were never
 // checked: a fresh-clone tester loaded a corrupted copy averaged in (|diff| 1e37). The pre-flight

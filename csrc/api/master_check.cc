@@ -1,0 +1,202 @@
+// The stored weights against the fp32 master weights (consolidate.h, check_weights_against_master).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
+
+#include "reshard/consolidate.h"
+#include "reshard/error.h"
+
+namespace reshard {
+
+namespace {
+
+// `T` with only its weight and fp32 master arrays (a ZeRO-0 layout: one buffer per array),
+// weight buffers in `weight_dtype[tensor]` (the dtype the checkpoint stores them in).
+Layout weights_and_masters(const Layout& T, const std::unordered_map<std::string, DType>& weight_dtype) {
+  Layout out = T;
+  out.arrays.clear();
+  out.buffers.clear();
+  out.pieces.clear();
+  std::vector<int32_t> new_array(T.arrays.size(), -1), new_buffer(T.buffers.size(), -1);
+  for (size_t a = 0; a < T.arrays.size(); ++a)
+    if (T.arrays[a].state == StateKind::kWeight || T.arrays[a].state == StateKind::kMaster) {
+      new_array[a] = int32_t(out.arrays.size());
+      out.arrays.push_back(T.arrays[a]);
+    }
+  for (const Piece& p : T.pieces) {
+    if (new_array[p.array] < 0) continue;
+    if (new_buffer[p.buffer] < 0) {
+      new_buffer[p.buffer] = int32_t(out.buffers.size());
+      Buffer b = T.buffers[p.buffer];
+      if (b.state == StateKind::kWeight) b.dtype = weight_dtype.at(T.arrays[p.array].tensor);
+      out.buffers.push_back(b);
+    }
+    Piece q = p;
+    q.array = new_array[p.array];
+    q.buffer = new_buffer[p.buffer];
+    out.pieces.push_back(q);
+  }
+  return out;
+}
+
+// Names of the files holding pieces of source array `a` on tp rank `tp_rank` (at most three).
+std::string files_holding(const SourceLayout& src, int a, int tp_rank) {
+  std::vector<std::string> names;
+  for (const Piece& p : src.layout.pieces) {
+    if (p.array != a || p.box.numel() == 0) continue;
+    if (src.layout.topo.tp_rank(src.layout.buffers[p.buffer].rank) != tp_rank) continue;
+    const int32_t f = src.locations[p.buffer].file;
+    if (f < 0) continue;
+    const std::string& path = src.files[size_t(f)];
+    const std::string name = path.substr(path.find_last_of('/') + 1);
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+  }
+  std::string s;
+  for (size_t i = 0; i < names.size() && i < 3; ++i) s += (i ? ", " : "") + names[i];
+  if (names.size() > 3) s += ", ... (" + std::to_string(names.size()) + " files)";
+  return s;
+}
+
+std::string index_text(int64_t linear, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> ix(shape.size(), 0);
+  for (size_t d = shape.size(); d-- > 0;) {
+    const int64_t n = std::max<int64_t>(1, shape[d]);
+    ix[d] = linear % n;
+    linear /= n;
+  }
+  std::string s = "[";
+  for (size_t d = 0; d < ix.size(); ++d) s += (d ? ", " : "") + std::to_string(ix[d]);
+  return s + "]";
+}
+
+}  // namespace
+
+std::string MasterMismatch::to_string() const {
+  char vals[96];
+  std::snprintf(vals, sizeof vals, "weight %.9g, master %.9g", double(weight), double(master));
+  const std::string where = replicated ? "replicated over tp, tp rank 0's copy" : "tp rank " + std::to_string(tp_rank);
+  return "tensor " + tensor + " (" + where + "): " + std::to_string(differing) + " of " +
+         std::to_string(compared) + " weight elements differ from the fp32 master" +
+         (weight_dtype == DType::F32 ? std::string() : std::string(" rounded to ") + dtype_name(weight_dtype)) + " (first at " + first + " of the tp rank's shard: " + vals +
+         "); the model files and the optimizer files disagree (files swapped or from different saves, or weights "
+         "edited after the save): weights in " + (weight_files.empty() ? "?" : weight_files) + ", master in " +
+         (master_files.empty() ? "?" : master_files);
+}
+
+MasterCheck check_weights_against_master(const CheckpointReader& reader, const MasterCheckOptions& o) {
+  const int part = o.part, parts = o.parts;
+  RESHARD_CHECK(parts >= 1 && part >= 0 && part < parts, "part ", part, " of ", parts);
+  const SourceLayout& src = reader.source();
+  const Layout& S = src.layout;
+  MasterCheck out;
+
+  // Tensors whose weight and master are both stored (a ZeRO-3 checkpoint stores no 16-bit
+  // weights: a load makes them from the master, so there is nothing to compare).
+  std::vector<bool> stored(S.arrays.size(), false);
+  std::unordered_map<std::string, DType> weight_dtype;
+  for (const Piece& p : S.pieces) {
+    if (p.box.numel() == 0) continue;
+    stored[p.array] = true;
+    if (S.arrays[p.array].state == StateKind::kWeight) weight_dtype[S.arrays[p.array].tensor] = S.buffers[p.buffer].dtype;
+  }
+  std::vector<TensorSpec> both;
+  std::vector<uint64_t> bytes;
+  int64_t seen = 0;
+  for (const TensorSpec& t : S.tensors) {
+    const int w = S.find_array(t.name, StateKind::kWeight), m = S.find_array(t.name, StateKind::kMaster);
+    if (w < 0 || m < 0 || !stored[w] || !stored[m]) continue;
+    if (seen++ % parts != part) continue;
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    both.push_back(t);
+    bytes.push_back(uint64_t(n) * (dtype_size(weight_dtype.at(t.name)) + 4));
+  }
+  if (both.empty()) return out;
+
+  const ReadFn read = [&reader](int32_t f, uint64_t off, uint64_t len, void* dst) { reader.read(f, off, len, dst); };
+  // At the checkpoint's own tp (a partial_sum tensor stays as stored), one machine, no ZeRO.
+  Topology own;
+  own.tp = S.topo.tp;
+  own.zero = 0;
+  LikeOptions lo;
+  lo.keep_source_vocab_rows = true;
+  PlanOptions po;
+  po.strict_unexpected = false;    // exp_avg, exp_avg_sq and the other tensors are not wanted here
+  po.weights_from_master = false;  // compare what is stored, never a weight made from the master
+  po.compare_replicas = o.replicas;
+  po.replica_policy = o.replicas ? ReplicaPolicy::kError : ReplicaPolicy::kFirst;
+  SourceLayout sub = src;
+  for (size_t begin = 0; begin < both.size();) {
+    // Tensors in stored order, as many as fit the budget (at least one).
+    size_t end = begin;
+    uint64_t batch = 0;
+    do batch += bytes[end++];
+    while (end < both.size() && batch + bytes[end] <= o.memory_budget);
+    sub.layout.tensors.assign(both.begin() + begin, both.begin() + end);
+    const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
+    const Plan plan = make_plan(src, T, po);
+    std::vector<std::vector<uint8_t>> mem(T.buffers.size());
+    std::vector<void*> ptrs;
+    for (size_t i = 0; i < T.buffers.size(); ++i) {
+      mem[i].assign(size_t(T.buffers[i].numel) * dtype_size(T.buffers[i].dtype), 0);
+      ptrs.push_back(mem[i].data());
+    }
+    const std::vector<ReplicaResult> compared = simulate_plan(plan, T, read, ptrs, po.replica_policy, 0.0);
+    out.bytes_read += plan.bytes_to_read;
+    for (const ReplicaResult& c : compared) out.bytes_read += 2 * plan.replica_compares[c.compare].box.numel() *
+                                                               dtype_size(plan.replica_compares[c.compare].authoritative.dtype);
+    for (size_t k = begin; k < end; ++k) {
+      const TensorSpec& t = both[k];
+      const DType wd = weight_dtype.at(t.name);
+      // A tensor replicated over tp: every tp rank's shard was filled from the same first copy
+      // (the planner's authoritative one, tp rank 0's), so one comparison says all there is;
+      // copies that differ are the replica check's finding.
+      const bool replicated = t.split == Split::kReplicated && t.reduction == Reduction::kReplicated;
+      for (int r = 0; r < (replicated ? 1 : own.tp); ++r) {
+        const int wb = T.find_buffer(r, std::string(state_kind_name(StateKind::kWeight)) + "/" + t.name);
+        const int mb = T.find_buffer(r, std::string(state_kind_name(StateKind::kMaster)) + "/" + t.name);
+        if (wb < 0 || mb < 0) continue;
+        RESHARD_CHECK(T.buffers[wb].numel == T.buffers[mb].numel, "weight and master shards of ", t.name, " differ in size");
+        MasterMismatch mm;
+        mm.tensor = t.name;
+        mm.tp_rank = r;
+        mm.weight_dtype = wd;
+        mm.compared = T.buffers[wb].numel;
+        mm.replicated = replicated && own.tp > 1;
+        // Slab by slab: the master rounded to the weight's dtype and back, the weight widened;
+        // equal values, two zeros and two NaNs agree.
+        constexpr size_t kSlab = size_t(1) << 16;
+        std::vector<uint8_t> rounded(kSlab * dtype_size(wd));
+        std::vector<float> a(kSlab), b(kSlab);
+        for (int64_t at = 0; at < mm.compared; at += int64_t(kSlab)) {
+          const size_t n = size_t(std::min<int64_t>(int64_t(kSlab), mm.compared - at));
+          const float* master = reinterpret_cast<const float*>(mem[mb].data()) + at;
+          convert_elements(master, DType::F32, rounded.data(), wd, n);
+          convert_elements(rounded.data(), wd, b.data(), DType::F32, n);
+          convert_elements(mem[wb].data() + size_t(at) * dtype_size(wd), wd, a.data(), DType::F32, n);
+          for (size_t i = 0; i < n; ++i) {
+            if (a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) continue;
+            if (mm.differing++ == 0) {
+              mm.first = index_text(at + int64_t(i), tp_shard(t, S.model, own.tp, r).local_shape);
+              mm.weight = a[i];
+              mm.master = master[i];
+            }
+          }
+        }
+        out.elements_checked += mm.compared;
+        if (mm.differing) {
+          mm.weight_files = files_holding(src, S.find_array(t.name, StateKind::kWeight), r);
+          mm.master_files = files_holding(src, S.find_array(t.name, StateKind::kMaster), r);
+          out.mismatches.push_back(std::move(mm));
+        }
+      }
+      ++out.tensors_checked;
+    }
+    begin = end;
+  }
+  return out;
+}
+
+}  // namespace reshard
