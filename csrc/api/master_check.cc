@@ -128,6 +128,10 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   po.compare_replicas = o.replicas;
   po.replica_policy = o.replicas ? ReplicaPolicy::kError : ReplicaPolicy::kFirst;
   SourceLayout sub = src;
+  std::vector<uint8_t> arena;
+  constexpr size_t kSlab = size_t(1) << 16;
+  std::vector<uint8_t> rounded(kSlab * 8);
+  std::vector<float> a(kSlab), b(kSlab);
   for (size_t begin = 0; begin < both.size();) {
     // Tensors in stored order, as many as fit the budget (at least one).
     size_t end = begin;
@@ -137,11 +141,21 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     sub.layout.tensors.assign(both.begin() + begin, both.begin() + end);
     const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
     const Plan plan = make_plan(src, T, po);
-    std::vector<std::vector<uint8_t>> mem(T.buffers.size());
-    std::vector<void*> ptrs;
+    // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
+    // clear each (in a VM several times a copy), which made this check cost seconds per GB.
+    std::vector<size_t> offset_of(T.buffers.size());
+    size_t total = 0;
     for (size_t i = 0; i < T.buffers.size(); ++i) {
-      mem[i].assign(size_t(T.buffers[i].numel) * dtype_size(T.buffers[i].dtype), 0);
-      ptrs.push_back(mem[i].data());
+      offset_of[i] = total;
+      total += (size_t(T.buffers[i].numel) * dtype_size(T.buffers[i].dtype) + 63) / 64 * 64;
+    }
+    if (arena.size() < total) arena.resize(total);
+    std::memset(arena.data(), 0, total);
+    std::vector<void*> ptrs;
+    std::vector<uint8_t*> mem;
+    for (size_t i = 0; i < T.buffers.size(); ++i) {
+      ptrs.push_back(arena.data() + offset_of[i]);
+      mem.push_back(arena.data() + offset_of[i]);
     }
     const std::vector<ReplicaResult> compared = simulate_plan(plan, T, read, ptrs, po.replica_policy, 0.0);
     out.bytes_read += plan.bytes_to_read;
@@ -165,17 +179,17 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
         mm.weight_dtype = wd;
         mm.compared = T.buffers[wb].numel;
         mm.replicated = replicated && own.tp > 1;
-        // Slab by slab: the master rounded to the weight's dtype and back, the weight widened;
-        // equal values, two zeros and two NaNs agree.
-        constexpr size_t kSlab = size_t(1) << 16;
-        std::vector<uint8_t> rounded(kSlab * dtype_size(wd));
-        std::vector<float> a(kSlab), b(kSlab);
+        // Slab by slab: the master rounded to the weight's dtype against the stored bytes; where
+        // they differ, value by value (equal values, two zeros and two NaNs agree).
+        const size_t es = dtype_size(wd);
         for (int64_t at = 0; at < mm.compared; at += int64_t(kSlab)) {
           const size_t n = size_t(std::min<int64_t>(int64_t(kSlab), mm.compared - at));
-          const float* master = reinterpret_cast<const float*>(mem[mb].data()) + at;
+          const float* master = reinterpret_cast<const float*>(mem[mb]) + at;
+          const uint8_t* weight = mem[wb] + size_t(at) * es;
           convert_elements(master, DType::F32, rounded.data(), wd, n);
+          if (std::memcmp(rounded.data(), weight, n * es) == 0) continue;
           convert_elements(rounded.data(), wd, b.data(), DType::F32, n);
-          convert_elements(mem[wb].data() + size_t(at) * dtype_size(wd), wd, a.data(), DType::F32, n);
+          convert_elements(weight, wd, a.data(), DType::F32, n);
           for (size_t i = 0; i < n; ++i) {
             if (a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) continue;
             if (mm.differing++ == 0) {

@@ -197,7 +197,6 @@ Command convert_command() {
         // Under mpirun each rank takes a share of the tensors; every rank reaches the all-gather,
         // also when its share fails to read.
         MasterCheckOptions mo;
-        mo.memory_budget = po.memory_budget;
         mo.part = rank;
         mo.parts = comm ? comm->size() : 1;
         mo.replicas = false;  // the conversion compares replicas itself, under its policy

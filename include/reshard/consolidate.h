@@ -116,7 +116,8 @@ struct MasterCheck {
 /// copies of a replicated weight or master differ. Used by `reshard verify`, by loads with
 /// verify="full" and by `convert --verify full`.
 struct MasterCheckOptions {
-  uint64_t memory_budget = uint64_t(1) << 30;
+  /// Bytes of weights and masters held at a time (one buffer reused batch after batch).
+  uint64_t memory_budget = uint64_t(64) << 20;
   /// Only the k-th tensor with both stored where k % parts == part (in the checkpoint's tensor
   /// order), so the ranks of a load share the work.
   int part = 0, parts = 1;
