@@ -88,6 +88,26 @@ std::string step_name(const ConvertArgs& a, const CheckpointReader& ckpt) {
 double since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
+
+// Every rank's lines, in rank order (a newline inside a line becomes a space). Without a
+// communicator the lines are returned as they are. Collective when comm is set.
+std::vector<std::string> gather_lines(Communicator* comm, const std::vector<std::string>& lines) {
+  if (!comm) return lines;
+  std::string mine;
+  for (std::string l : lines) {
+    std::replace(l.begin(), l.end(), '\n', ' ');
+    mine += l + "\n";
+  }
+  std::vector<std::string> all;
+  for (const auto& s : comm->all_gather_strings(mine)) {
+    size_t i = 0, j;
+    while ((j = s.find('\n', i)) != std::string::npos) {
+      all.push_back(s.substr(i, j - i));
+      i = j + 1;
+    }
+  }
+  return all;
+}
 }  // namespace
 
 Command convert_command() {
@@ -177,20 +197,8 @@ Command convert_command() {
       }
       // Checksums of every stored piece / record, split over the ranks, before anything is written.
       if (a->verify == "full") {
-        std::vector<std::string> problems = check_pieces(*ckpt, rank, comm ? comm->size() : 1);
-        if (comm) {
-          std::string mine;
-          for (const auto& p : problems) mine += p + "\n";
-          problems.clear();
-          for (const auto& s : comm->all_gather_strings(mine)) {
-            size_t i = 0, j;
-            while ((j = s.find('\n', i)) != std::string::npos) {
-              problems.push_back(s.substr(i, j - i));
-              i = j + 1;
-            }
-          }
-          std::sort(problems.begin(), problems.end());
-        }
+        std::vector<std::string> problems = gather_lines(comm.get(), check_pieces(*ckpt, rank, comm ? comm->size() : 1));
+        std::sort(problems.begin(), problems.end());
         if (!problems.empty()) fail_checksums(problems, a->out);
         // Then the weights against the fp32 master (check_weights_against_master): a converted
         // checkpoint would carry a disagreement on with fresh checksums.
@@ -207,18 +215,7 @@ Command convert_command() {
           if (!comm) throw;
           differ.push_back(std::string("reading the weights and masters: ") + e.what());
         }
-        if (comm) {
-          std::string mine;
-          for (const auto& d : differ) mine += d + "\n";
-          differ.clear();
-          for (const auto& s : comm->all_gather_strings(mine)) {
-            size_t i = 0, j;
-            while ((j = s.find('\n', i)) != std::string::npos) {
-              differ.push_back(s.substr(i, j - i));
-              i = j + 1;
-            }
-          }
-        }
+        differ = gather_lines(comm.get(), differ);
         if (!differ.empty()) {
           std::string msg;
           for (size_t i = 0; i < differ.size() && i < 4; ++i) msg += (i ? "; " : "") + differ[i];

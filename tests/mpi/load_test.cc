@@ -264,6 +264,30 @@ bool flip_byte_in_piece(const std::string& root, int32_t rank, StateKind state, 
   return false;
 }
 
+// Saves the checkpoint at `root` again as step `step` through the native writer, with the low
+// bit of byte `byte` of source rank `rank`'s buffer `buffer` flipped: every checksum holds on the
+// edited value. False when there is no such buffer. Rank 0 only, as flip_byte_in_piece.
+bool resave_with_flipped_bit(const std::string& root, const std::string& step, int32_t rank, const std::string& buffer,
+                             size_t byte) {
+  auto sound = open_checkpoint(root);
+  const SourceLayout& s = sound->source();
+  std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
+  std::vector<const void*> ptrs;
+  bool edited = false;
+  for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
+    const Buffer& buf = s.layout.buffers[b];
+    mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
+    sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
+    if (buf.rank == rank && buf.name == buffer && byte < mem[b].size()) {
+      mem[b][byte] ^= 1;
+      edited = true;
+    }
+    ptrs.push_back(mem[b].data());
+  }
+  if (edited) save_native_all_ranks(root, step, s.layout, ptrs, sound->state());
+  return edited;
+}
+
 // Ranks count as one machine (one page cache, one checksum check per piece under verify="free")
 // only when they also see the checkpoint's folder as the same device and inode. Two copies of
 // the folder stand in for two containers of one host that mount different disks at one path:
@@ -460,23 +484,7 @@ TEST(MpiLoad, WeightsThatDifferFromTheirMasterFailFullVerifyOnEveryRankBeforeAny
   const std::string tensor = "layers.1.mlp.dense_4h_to_h.weight";
   if (comm.rank() == 0) {
     synth_checkpoint(dir + "/ck", m, Topology::parse("tp=2,pp=1,dp=1,zero=1"), 9);
-    auto sound = open_checkpoint(dir + "/ck");
-    const SourceLayout& s = sound->source();
-    std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
-    std::vector<const void*> ptrs;
-    bool edited = false;
-    for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
-      const Buffer& buf = s.layout.buffers[b];
-      mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
-      sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
-      if (buf.rank == 1 && buf.name == "weight/" + tensor) {
-        mem[b][2 * 5] ^= 1;  // element 5, low bit of the bf16 mantissa
-        edited = true;
-      }
-      ptrs.push_back(mem[b].data());
-    }
-    EXPECT_TRUE(edited);
-    save_native_all_ranks(dir + "/ck", "step-99", s.layout, ptrs, sound->state());
+    EXPECT_TRUE(resave_with_flipped_bit(dir + "/ck", "step-99", 1, "weight/" + tensor, 2 * 5));  // element 5, bf16 low bit
   }
   comm.barrier();
   auto ckpt = open_checkpoint(dir + "/ck");

@@ -32,6 +32,15 @@ def cli(*args):
     return subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
+MPIRUN = shutil.which("mpirun")
+
+
+def mpirun(k, *args):
+    """`reshard ARGS` on k ranks under mpirun."""
+    return subprocess.run([MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", str(k), str(CLI), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
 def one_line_error(r):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
@@ -276,6 +285,29 @@ def test_checksum_mismatch_refuses_the_load(ck):
         assert untouched(live)
 
 
+@need_cli
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
+def test_convert_under_mpirun_gathers_every_corrupt_piece(ck, tmp_path):
+    """convert --verify full (the default) under mpirun: each rank checks a share of the source's
+    checksummed pieces and the ranks gather the findings, so the error (printed once, by rank 0)
+    counts every corrupt piece, as many as one process finds, and nothing is written."""
+    f = step_dir(ck) / "rank_00003.safetensors"
+    data = bytearray(f.read_bytes())
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    for at in range(header, len(data), 4096):  # one bit in every 4 KiB of the data: many pieces
+        data[at] ^= 0x01
+    f.write_bytes(bytes(data))
+    one = cli("convert", ck, tmp_path / "out", "--target", "tp=1,dp=2,zero=1")
+    n = int(one_line_error(one).split("reshard: error: ")[1].split(" source piece(s) fail their checks")[0])
+    assert one.returncode == 2 and n > 1, one.stderr
+    r = mpirun(2, "convert", ck, tmp_path / "out", "--target", "tp=1,dp=2,zero=1")
+    errors = [x for x in r.stderr.splitlines() if x.startswith("reshard: error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stdout + r.stderr
+    assert errors[0].startswith(f"reshard: error: {n} source piece(s) fail their checks; nothing was written to"), errors
+    assert "rank_00003.safetensors" in errors[0] and "xxh3 mismatch" in errors[0], errors
+    assert not (tmp_path / "out").exists()
+
+
 # ---- topology, model, replicas, budget ---------------------------------------------------------
 
 @need_cli
@@ -398,6 +430,13 @@ def test_verify_names_weights_that_differ_from_their_master(ck):
     r = cli("convert", ck, ck.parent / "out", "--target", "tp=1,dp=1,zero=1")
     assert r.returncode == 2 and f"tensor {edited} (tp rank 1)" in one_line_error(r), r.stdout + r.stderr
     assert not (ck.parent / "out").exists()
+    # Under mpirun the ranks split the tensors and gather what they found; rank 0 prints it.
+    if MPIRUN:
+        r = mpirun(2, "convert", ck, ck.parent / "out", "--target", "tp=1,dp=2,zero=1")
+        errors = [x for x in r.stderr.splitlines() if x.startswith("reshard: error:")]
+        assert r.returncode == 2 and len(errors) == 1, r.stdout + r.stderr
+        assert f"tensor {edited} (tp rank 1): 1 of {numel} weight elements differ" in errors[0], errors
+        assert not (ck.parent / "out").exists()
 
 
 @need_py
@@ -440,16 +479,22 @@ def test_memory_budget_too_small_cli(ck, tmp_path):
 FIXTURES = Path(os.environ.get("RESHARD_DS_FIXTURES", ROOT / "build" / "ds_fixtures"))
 
 
-@need_cli
-def test_verify_names_a_missing_deepspeed_optimizer_file(tmp_path):
-    """One *_optim_states.pt of a DeepSpeed save deleted: `reshard verify` lists the file itself
-    under missing (a tester saw only "buffer fp32/group0 (rank 7): its data file is missing")."""
-    src = FIXTURES / "pipe_pp2_tp2_dp2_z1_fp32"
+def copy_ds_fixture(tmp_path, case):
+    """Copies the real DeepSpeed fixture `case` to tmp_path/ck; returns (root, global_step folder).
+    Skips the test when the fixtures are not built."""
+    src = FIXTURES / case
     if not (FIXTURES / ".complete").exists() or not src.is_dir():
         pytest.skip(f"DeepSpeed fixtures not built in {FIXTURES}")
     dst = tmp_path / "ck"
     shutil.copytree(src, dst)
-    step = next(p for p in dst.iterdir() if p.name.startswith("global_step"))
+    return dst, next(p for p in dst.iterdir() if p.name.startswith("global_step"))
+
+
+@need_cli
+def test_verify_names_a_missing_deepspeed_optimizer_file(tmp_path):
+    """One *_optim_states.pt of a DeepSpeed save deleted: `reshard verify` lists the file itself
+    under missing (a tester saw only "buffer fp32/group0 (rank 7): its data file is missing")."""
+    dst, step = copy_ds_fixture(tmp_path, "pipe_pp2_tp2_dp2_z1_fp32")
     gone = step / "zero_pp_rank_1_mp_rank_03_optim_states.pt"
     gone.unlink()
     r = cli("verify", dst)
@@ -465,12 +510,7 @@ def test_deepspeed_folder_without_optimizer_files_is_refused_in_every_config_for
     old "bfloat16" key, zero_optimization: true, a stage string) or no ds_config at all (Megatron's
     args.zero_stage decides): refused, not opened as weights only (a tester found each form
     opened as weights only, and convert wrote an output without optimizer state)."""
-    src = FIXTURES / "pipe_pp2_tp2_dp2_z1_bf16_untied_gqa_swiglu"
-    if not (FIXTURES / ".complete").exists() or not src.is_dir():
-        pytest.skip(f"DeepSpeed fixtures not built in {FIXTURES}")
-    dst = tmp_path / "ck"
-    shutil.copytree(src, dst)
-    step = next(p for p in dst.iterdir() if p.name.startswith("global_step"))
+    dst, step = copy_ds_fixture(tmp_path, "pipe_pp2_tp2_dp2_z1_bf16_untied_gqa_swiglu")
     for f in step.glob("*optim_states.pt"):
         f.unlink()
     for f in step.glob("mp_rank_*_model_states.pt"):
