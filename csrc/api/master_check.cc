@@ -41,6 +41,50 @@ Layout weights_and_masters(const Layout& T, const std::unordered_map<std::string
   return out;
 }
 
+// Elements per local row (dim 0) of every buffer of `tensor` in `T` (a ZeRO-0 layout: one
+// buffer per array and tp rank), or 0 when some piece of those buffers is not laid out row by
+// row (dim-0 stride a whole row, origin on a row boundary), so rows cannot be cut.
+int64_t row_elements(const Layout& T, const std::string& tensor) {
+  int64_t row = -1;
+  for (const Piece& p : T.pieces) {
+    if (T.arrays[p.array].tensor != tensor) continue;
+    if (p.box.ndim < 2) return 0;
+    int64_t inner = 1;
+    for (int d = 1; d < p.box.ndim; ++d) inner *= std::max<int64_t>(1, p.box.len[d]);
+    const int64_t s0 = p.strides[0];
+    if (s0 < inner || s0 <= 0 || p.base % s0 != 0 || T.buffers[p.buffer].numel % s0 != 0 || (row >= 0 && s0 != row))
+      return 0;
+    row = s0;
+  }
+  return row > 0 ? row : 0;
+}
+
+// Cuts every buffer of `tensor` in `T` to its local rows [lo, hi) (row = `row` elements): the
+// buffer then holds those rows only and its pieces are clipped to them (row_elements > 0).
+void keep_rows(Layout& T, const std::string& tensor, int64_t row, int64_t lo, int64_t hi) {
+  std::vector<int64_t> numel(T.buffers.size(), -1);
+  std::vector<Piece> kept;
+  for (Piece p : T.pieces) {
+    if (T.arrays[p.array].tensor != tensor) {
+      kept.push_back(p);
+      continue;
+    }
+    const int64_t rows = T.buffers[p.buffer].numel / row;
+    numel[p.buffer] = (std::min(hi, rows) - std::min(lo, rows)) * row;
+    // Local rows of this piece: [first, first + size[0]).
+    const int64_t first = p.base / row;
+    const int64_t a = std::max(lo, first), b = std::min(hi, first + p.box.len[0]);
+    if (a >= b) continue;
+    p.box.off[0] += a - first;
+    p.box.len[0] = b - a;
+    p.base = (a - lo) * row;
+    kept.push_back(p);
+  }
+  T.pieces.swap(kept);
+  for (size_t b = 0; b < T.buffers.size(); ++b)
+    if (numel[b] >= 0) T.buffers[b].numel = numel[b];
+}
+
 // Names of the files holding pieces of source array `a` on tp rank `tp_rank` (at most three).
 std::string files_holding(const SourceLayout& src, int a, int tp_rank) {
   std::vector<std::string> names;
@@ -111,7 +155,9 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     int64_t n = 1;
     for (int64_t d : t.shape) n *= d;
     both.push_back(t);
-    bytes.push_back(uint64_t(n) * (dtype_size(weight_dtype.at(t.name)) + 4));
+    // Weights and masters of every tp rank's shard (a tensor replicated over tp: tp copies).
+    const bool replicated = t.split == Split::kReplicated && t.reduction == Reduction::kReplicated;
+    bytes.push_back(uint64_t(n) * (dtype_size(weight_dtype.at(t.name)) + 4) * uint64_t(replicated ? S.topo.tp : 1));
   }
   if (both.empty()) return out;
 
@@ -132,14 +178,11 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   constexpr size_t kSlab = size_t(1) << 16;
   std::vector<uint8_t> rounded(kSlab * 8);
   std::vector<float> a(kSlab), b(kSlab);
-  for (size_t begin = 0; begin < both.size();) {
-    // Tensors in stored order, as many as fit the budget (at least one).
-    size_t end = begin;
-    uint64_t batch = 0;
-    do batch += bytes[end++];
-    while (end < both.size() && batch + bytes[end] <= o.memory_budget);
-    sub.layout.tensors.assign(both.begin() + begin, both.begin() + end);
-    const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
+  // One pass: plan the layout `T` (the batch's tensors, or rows [row_lo, ...) of one tensor's
+  // shards), read it into the arena and compare each tensor's weights with its master; findings
+  // go into acc[k - first][tp rank]. row_lo is the pass's first local row, row its elements.
+  std::vector<std::vector<MasterMismatch>> acc;
+  auto pass = [&](const Layout& T, size_t first, size_t last, int64_t row_lo, int64_t row) {
     const Plan plan = make_plan(src, T, po);
     // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
     // clear each (in a VM several times a copy), which made this check cost seconds per GB.
@@ -150,6 +193,9 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
       total += (size_t(T.buffers[i].numel) * dtype_size(T.buffers[i].dtype) + 63) / 64 * 64;
     }
     if (arena.size() < total) arena.resize(total);
+    uint64_t held = 0;
+    for (const Buffer& buf : T.buffers) held += uint64_t(buf.numel) * dtype_size(buf.dtype);
+    out.peak_bytes_held = std::max(out.peak_bytes_held, held);
     std::memset(arena.data(), 0, total);
     std::vector<void*> ptrs;
     std::vector<uint8_t*> mem;
@@ -161,7 +207,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     out.bytes_read += plan.bytes_to_read;
     for (const ReplicaResult& c : compared) out.bytes_read += 2 * plan.replica_compares[c.compare].box.numel() *
                                                                dtype_size(plan.replica_compares[c.compare].authoritative.dtype);
-    for (size_t k = begin; k < end; ++k) {
+    for (size_t k = first; k < last; ++k) {
       const TensorSpec& t = both[k];
       const DType wd = weight_dtype.at(t.name);
       // A tensor replicated over tp: every tp rank's shard was filled from the same first copy
@@ -173,17 +219,18 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
         const int mb = T.find_buffer(r, std::string(state_kind_name(StateKind::kMaster)) + "/" + t.name);
         if (wb < 0 || mb < 0) continue;
         RESHARD_CHECK(T.buffers[wb].numel == T.buffers[mb].numel, "weight and master shards of ", t.name, " differ in size");
-        MasterMismatch mm;
+        MasterMismatch& mm = acc[k - first][size_t(r)];
         mm.tensor = t.name;
         mm.tp_rank = r;
         mm.weight_dtype = wd;
-        mm.compared = T.buffers[wb].numel;
+        mm.compared += T.buffers[wb].numel;
         mm.replicated = replicated && own.tp > 1;
         // Slab by slab: the master rounded to the weight's dtype against the stored bytes; where
         // they differ, value by value (equal values, two zeros and two NaNs agree).
         const size_t es = dtype_size(wd);
-        for (int64_t at = 0; at < mm.compared; at += int64_t(kSlab)) {
-          const size_t n = size_t(std::min<int64_t>(int64_t(kSlab), mm.compared - at));
+        const int64_t n_all = T.buffers[wb].numel;
+        for (int64_t at = 0; at < n_all; at += int64_t(kSlab)) {
+          const size_t n = size_t(std::min<int64_t>(int64_t(kSlab), n_all - at));
           const float* master = reinterpret_cast<const float*>(mem[mb]) + at;
           const uint8_t* weight = mem[wb] + size_t(at) * es;
           convert_elements(master, DType::F32, rounded.data(), wd, n);
@@ -193,21 +240,59 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
           for (size_t i = 0; i < n; ++i) {
             if (a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) continue;
             if (mm.differing++ == 0) {
-              mm.first = index_text(at + int64_t(i), tp_shard(t, S.model, own.tp, r).local_shape);
+              mm.first = index_text(row_lo * row + at + int64_t(i), tp_shard(t, S.model, own.tp, r).local_shape);
               mm.weight = a[i];
               mm.master = master[i];
             }
           }
         }
-        out.elements_checked += mm.compared;
-        if (mm.differing) {
-          mm.weight_files = files_holding(src, S.find_array(t.name, StateKind::kWeight), r);
-          mm.master_files = files_holding(src, S.find_array(t.name, StateKind::kMaster), r);
-          out.mismatches.push_back(std::move(mm));
-        }
+        out.elements_checked += T.buffers[wb].numel;
+      }
+    }
+  };
+  // The findings of tensors [first, last), once every pass over them is done.
+  auto report = [&](size_t first, size_t last) {
+    for (size_t k = first; k < last; ++k) {
+      for (MasterMismatch& mm : acc[k - first]) {
+        if (!mm.differing) continue;
+        mm.weight_files = files_holding(src, S.find_array(mm.tensor, StateKind::kWeight), mm.tp_rank);
+        mm.master_files = files_holding(src, S.find_array(mm.tensor, StateKind::kMaster), mm.tp_rank);
+        out.mismatches.push_back(std::move(mm));
       }
       ++out.tensors_checked;
     }
+  };
+  for (size_t begin = 0; begin < both.size();) {
+    // Tensors in stored order, as many as fit the budget (at least one).
+    size_t end = begin;
+    uint64_t batch = 0;
+    do batch += bytes[end++];
+    while (end < both.size() && batch + bytes[end] <= o.memory_budget);
+    sub.layout.tensors.assign(both.begin() + begin, both.begin() + end);
+    const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
+    acc.assign(end - begin, std::vector<MasterMismatch>(size_t(own.tp)));
+    uint64_t held = 0;
+    for (const Buffer& buf : T.buffers) held += uint64_t(buf.numel) * dtype_size(buf.dtype);
+    const int64_t row = end - begin == 1 && held > o.memory_budget ? row_elements(T, both[begin].name) : 0;
+    if (row == 0) {
+      pass(T, begin, end, 0, 0);
+    } else {
+      // One tensor larger than the budget (an embedding: vocab x hidden): its shards' local rows
+      // a chunk at a time, so the arena stays within the budget (a row at least).
+      int64_t rows = 0;
+      uint64_t row_bytes = 0;
+      for (const Buffer& buf : T.buffers) {
+        rows = std::max(rows, buf.numel / row);
+        row_bytes += uint64_t(row) * dtype_size(buf.dtype);
+      }
+      const int64_t step = std::max<int64_t>(1, int64_t(o.memory_budget / row_bytes));
+      for (int64_t lo_row = 0; lo_row < rows; lo_row += step) {
+        Layout part_of = T;
+        keep_rows(part_of, both[begin].name, row, lo_row, std::min(rows, lo_row + step));
+        pass(part_of, begin, end, lo_row, row);
+      }
+    }
+    report(begin, end);
     begin = end;
   }
   return out;

@@ -104,6 +104,7 @@ Command verify_command() {
       j["uncovered"] = uncovered;
       j["weights_vs_master"] = masters_run ? nlohmann::json{{"tensors_checked", masters.tensors_checked},
                                                             {"elements_checked", masters.elements_checked},
+                                                            {"peak_bytes_held", masters.peak_bytes_held},
                                                             {"mismatches", disagree}}
                                            : nlohmann::json();
       if (ckpt) {

@@ -710,17 +710,17 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   {
     std::vector<uint64_t> first_load(W, 0);
     std::vector<size_t> shared;
+    auto bytes_of = [&](size_t ci) { return uint64_t(cut[ci].box.numel()) * dtype_size(src_piece(cut[ci].src).dtype); };
     for (size_t ci = 0; ci < cut.size(); ++ci) {
       const Proto& p = cut[ci];
       first_reader[ci] = p.dst.front().rank;
       bool one = true;
       for (const auto& d : p.dst) one = one && d.rank == p.dst.front().rank;
       if (one)
-        first_load[first_reader[ci]] += uint64_t(p.box.numel()) * dtype_size(src_piece(p.src).dtype);
+        first_load[first_reader[ci]] += bytes_of(ci);
       else
         shared.push_back(ci);
     }
-    auto bytes_of = [&](size_t ci) { return uint64_t(cut[ci].box.numel()) * dtype_size(src_piece(cut[ci].src).dtype); };
     std::stable_sort(shared.begin(), shared.end(), [&](size_t a, size_t b) { return bytes_of(a) > bytes_of(b); });
     for (size_t ci : shared) {
       int32_t best = -1;

@@ -95,6 +95,9 @@ struct MasterCheck {
   int64_t tensors_checked = 0;   // tensors with both weights and an fp32 master stored
   int64_t elements_checked = 0;  // summed over tp ranks
   uint64_t bytes_read = 0;       // read from the checkpoint for it (replica comparisons included)
+  /// Most bytes of weights and masters held at once: at most options.memory_budget, unless one
+  /// local row of a tensor's shards (all tp ranks, weights and masters) is larger.
+  uint64_t peak_bytes_held = 0;
   std::vector<MasterMismatch> mismatches;
 };
 
@@ -111,7 +114,9 @@ struct MasterCheck {
 /// step would overwrite them from the master. Tensors without both a stored weight and a stored
 /// master (ZeRO-3 checkpoints store no 16-bit weights; weights-only checkpoints) are skipped.
 /// Memory: the weights and masters of a batch of tensors at a time, at most
-/// options.memory_budget bytes unless one tensor's shards alone are larger. Errors: the reader's
+/// options.memory_budget bytes; a tensor larger than that (an embedding: vocab x hidden) is
+/// compared a range of local rows (dim 0) at a time, so only a single row larger than the budget
+/// exceeds it (and a tensor whose shards are not stored row by row, none seen so far). Errors: the reader's
 /// read errors; Error(kDataLoss) when a region is covered by no file, or (options.replicas)
 /// copies of a replicated weight or master differ. Used by `reshard verify`, by loads with
 /// verify="full" and by `convert --verify full`.

@@ -599,6 +599,17 @@ TEST(DeepSpeedFailures, TpLayerFilesSwappedDisagreeWithTheMaster) {
   // The norms are replicated over tp: both files hold the same values, the swap changes nothing.
   for (int r : {0, 1}) EXPECT_FALSE(got.count({"layers.1.input_layernorm.weight", r}));
   ASSERT_FALSE(mc.mismatches.empty());
+  // Within a 64 KiB budget the larger tensors are compared a range of rows at a time: the same
+  // findings (counts, first index, values, files), and never more than the budget held.
+  MasterCheckOptions small;
+  small.memory_budget = 64 << 10;
+  const MasterCheck rows = check_weights_against_master(*reader, small);
+  EXPECT_GT(mc.peak_bytes_held, small.memory_budget) << "no tensor is larger than the budget: nothing was cut";
+  EXPECT_LE(rows.peak_bytes_held, small.memory_budget);
+  EXPECT_EQ(rows.tensors_checked, mc.tensors_checked);
+  EXPECT_EQ(rows.elements_checked, mc.elements_checked);
+  ASSERT_EQ(rows.mismatches.size(), mc.mismatches.size());
+  for (size_t i = 0; i < mc.mismatches.size(); ++i) EXPECT_EQ(rows.mismatches[i].to_string(), mc.mismatches[i].to_string());
   const std::string msg = mc.mismatches[0].to_string();
   EXPECT_NE(msg.find("weight elements differ from the fp32 master rounded to BF16 (first at ["), std::string::npos) << msg;
   EXPECT_NE(msg.find("the model files and the optimizer files disagree"), std::string::npos) << msg;

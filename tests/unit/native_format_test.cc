@@ -6,13 +6,16 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 
 #include "formats/safetensors/safetensors.h"
 #include "io/file.h"
+#include "reshard/consolidate.h"
 #include "reshard/native.h"
+#include "reshard/reshard.h"
 #include "unit/checksum_parts.h"
 #include "unit/core_harness.h"
 #include "unit/test_util.h"
@@ -588,6 +591,56 @@ TEST(NativeOpen, PathCases) {
     }
   }
   io::remove_all(base);
+}
+
+// check_weights_against_master within a budget smaller than a tensor compares it a range of
+// local rows at a time. One bf16 ulp edited in a late row of tp rank 1's word embeddings (seen
+// through the writer, so every checksum holds) is found at its index in that rank's shard, with
+// the same finding as one pass over the whole tensor, and no more than the budget held at once.
+TEST(NativeSynth, WeightsAgainstMasterInRowRangesFindALateRowEdit) {
+  ModelConfig m = small_model();
+  m.vocab = 500;  // 504 padded rows x 16: word embeddings 504 x 16 x 6 B = 48 KB (two tp shards)
+  const std::string root = testing::make_temp_dir("master_rows_");
+  synth_checkpoint(root, m, Topology::parse("tp=2,pp=1,dp=1,zero=1"), 11);
+  const std::string tensor = "embedding.word_embeddings.weight";
+  int64_t rows = 0;
+  {
+    auto sound = open_checkpoint(root);
+    const SourceLayout& s = sound->source();
+    std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
+    std::vector<const void*> ptrs;
+    for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
+      const Buffer& buf = s.layout.buffers[b];
+      mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
+      sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
+      if (buf.rank == 1 && buf.name == "weight/" + tensor) {
+        rows = buf.numel / m.hidden;
+        mem[b][size_t((rows - 3) * m.hidden + 5) * 2] ^= 1;  // [rows - 3, 5], low bit of the bf16
+      }
+      ptrs.push_back(mem[b].data());
+    }
+    ASSERT_GT(rows, 100);
+    save_native_all_ranks(root, "step-2", s.layout, ptrs, sound->state());
+  }
+  auto ck = open_checkpoint(root);
+  ASSERT_NE(ck->path().find("step-2"), std::string::npos);
+  MasterCheckOptions whole, cut;
+  cut.memory_budget = 4096;  // 21 rows of both shards' weights and masters
+  const MasterCheck a = check_weights_against_master(*ck, whole), b = check_weights_against_master(*ck, cut);
+  ASSERT_EQ(a.mismatches.size(), 1u);
+  const MasterMismatch& mm = a.mismatches[0];
+  EXPECT_EQ(mm.tensor, tensor);
+  EXPECT_EQ(mm.tp_rank, 1);
+  EXPECT_EQ(mm.differing, 1);
+  EXPECT_EQ(mm.compared, rows * m.hidden);
+  EXPECT_EQ(mm.first, "[" + std::to_string(rows - 3) + ", 5]");
+  ASSERT_EQ(b.mismatches.size(), 1u);
+  EXPECT_EQ(b.mismatches[0].to_string(), mm.to_string());
+  EXPECT_EQ(b.tensors_checked, a.tensors_checked);
+  EXPECT_EQ(b.elements_checked, a.elements_checked);
+  EXPECT_GT(a.peak_bytes_held, cut.memory_budget);
+  EXPECT_LE(b.peak_bytes_held, cut.memory_budget);
+  std::filesystem::remove_all(root);
 }
 
 TEST(NativeSynth, SameSeedSameModelAtAnyLayout) {
