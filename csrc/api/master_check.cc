@@ -182,8 +182,22 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   // shards), read it into the arena and compare each tensor's weights with its master; findings
   // go into acc[k - first][tp rank]. row_lo is the pass's first local row, row its elements.
   std::vector<std::vector<MasterMismatch>> acc;
+  // The source with only the pieces of the tensors [first, last): each pass plans over those,
+  // not over the whole checkpoint (a tensor cut into row ranges is planned once per range).
+  SourceLayout only = src;
+  auto keep_pieces = [&](size_t first, size_t last) {
+    std::vector<bool> want(S.arrays.size(), false);
+    for (size_t k = first; k < last; ++k)
+      for (StateKind st : {StateKind::kWeight, StateKind::kMaster}) {
+        const int a = S.find_array(both[k].name, st);
+        if (a >= 0) want[size_t(a)] = true;
+      }
+    only.layout.pieces.clear();
+    for (const Piece& p : S.pieces)
+      if (want[size_t(p.array)]) only.layout.pieces.push_back(p);
+  };
   auto pass = [&](const Layout& T, size_t first, size_t last, int64_t row_lo, int64_t row) {
-    const Plan plan = make_plan(src, T, po);
+    const Plan plan = make_plan(only, T, po);
     // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
     // clear each (in a VM several times a copy), which made this check cost seconds per GB.
     std::vector<size_t> offset_of(T.buffers.size());
@@ -270,6 +284,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     while (end < both.size() && batch + bytes[end] <= o.memory_budget);
     sub.layout.tensors.assign(both.begin() + begin, both.begin() + end);
     const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
+    keep_pieces(begin, end);
     acc.assign(end - begin, std::vector<MasterMismatch>(size_t(own.tp)));
     uint64_t held = 0;
     for (const Buffer& buf : T.buffers) held += uint64_t(buf.numel) * dtype_size(buf.dtype);
