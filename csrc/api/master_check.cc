@@ -85,6 +85,13 @@ void keep_rows(Layout& T, const std::string& tensor, int64_t row, int64_t lo, in
     if (numel[b] >= 0) T.buffers[b].numel = numel[b];
 }
 
+// Bytes of all of T's buffers.
+uint64_t bytes_held(const Layout& T) {
+  uint64_t n = 0;
+  for (const Buffer& b : T.buffers) n += uint64_t(b.numel) * dtype_size(b.dtype);
+  return n;
+}
+
 // Names of the files holding pieces of source array `a` on tp rank `tp_rank` (at most three).
 std::string files_holding(const SourceLayout& src, int a, int tp_rank) {
   std::vector<std::string> names;
@@ -173,7 +180,6 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   po.weights_from_master = false;  // compare what is stored, never a weight made from the master
   po.compare_replicas = o.replicas;
   po.replica_policy = o.replicas ? ReplicaPolicy::kError : ReplicaPolicy::kFirst;
-  SourceLayout sub = src;
   std::vector<uint8_t> arena;
   constexpr size_t kSlab = size_t(1) << 16;
   std::vector<uint8_t> rounded(kSlab * 8);
@@ -182,22 +188,24 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   // shards), read it into the arena and compare each tensor's weights with its master; findings
   // go into acc[k - first][tp rank]. row_lo is the pass's first local row, row its elements.
   std::vector<std::vector<MasterMismatch>> acc;
-  // The source with only the pieces of the tensors [first, last): each pass plans over those,
-  // not over the whole checkpoint (a tensor cut into row ranges is planned once per range).
-  SourceLayout only = src;
-  auto keep_pieces = [&](size_t first, size_t last) {
+  // The source as seen by one batch: its tensors [first, last) and only their pieces, so each
+  // pass plans over those, not over the whole checkpoint (a tensor cut into row ranges is
+  // planned once per range).
+  SourceLayout sub = src;
+  auto select_batch = [&](size_t first, size_t last) {
+    sub.layout.tensors.assign(both.begin() + first, both.begin() + last);
     std::vector<bool> want(S.arrays.size(), false);
     for (size_t k = first; k < last; ++k)
       for (StateKind st : {StateKind::kWeight, StateKind::kMaster}) {
         const int a = S.find_array(both[k].name, st);
         if (a >= 0) want[size_t(a)] = true;
       }
-    only.layout.pieces.clear();
+    sub.layout.pieces.clear();
     for (const Piece& p : S.pieces)
-      if (want[size_t(p.array)]) only.layout.pieces.push_back(p);
+      if (want[size_t(p.array)]) sub.layout.pieces.push_back(p);
   };
   auto pass = [&](const Layout& T, size_t first, size_t last, int64_t row_lo, int64_t row) {
-    const Plan plan = make_plan(only, T, po);
+    const Plan plan = make_plan(sub, T, po);
     // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
     // clear each (in a VM several times a copy), which made this check cost seconds per GB.
     std::vector<size_t> offset_of(T.buffers.size());
@@ -207,9 +215,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
       total += (size_t(T.buffers[i].numel) * dtype_size(T.buffers[i].dtype) + 63) / 64 * 64;
     }
     if (arena.size() < total) arena.resize(total);
-    uint64_t held = 0;
-    for (const Buffer& buf : T.buffers) held += uint64_t(buf.numel) * dtype_size(buf.dtype);
-    out.peak_bytes_held = std::max(out.peak_bytes_held, held);
+    out.peak_bytes_held = std::max(out.peak_bytes_held, bytes_held(T));
     std::memset(arena.data(), 0, total);
     std::vector<void*> ptrs;
     std::vector<uint8_t*> mem;
@@ -282,13 +288,10 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     uint64_t batch = 0;
     do batch += bytes[end++];
     while (end < both.size() && batch + bytes[end] <= o.memory_budget);
-    sub.layout.tensors.assign(both.begin() + begin, both.begin() + end);
+    select_batch(begin, end);
     const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
-    keep_pieces(begin, end);
     acc.assign(end - begin, std::vector<MasterMismatch>(size_t(own.tp)));
-    uint64_t held = 0;
-    for (const Buffer& buf : T.buffers) held += uint64_t(buf.numel) * dtype_size(buf.dtype);
-    const int64_t row = end - begin == 1 && held > o.memory_budget ? row_elements(T, both[begin].name) : 0;
+    const int64_t row = end - begin == 1 && bytes_held(T) > o.memory_budget ? row_elements(T, both[begin].name) : 0;
     if (row == 0) {
       pass(T, begin, end, 0, 0);
     } else {

@@ -2,11 +2,13 @@
 changes in both directions, in one process and under mpirun with one rank per target rank."""
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+import mpi_cli
+from mpi_cli import MPIRUN
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(os.environ.get("RESHARD_CLI", ROOT / "build" / "bin" / "reshard"))
@@ -102,12 +104,8 @@ def test_convert_step_name_option(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-MPIRUN = shutil.which("mpirun")
-
-
 def mpirun(k, *args):
-    return subprocess.run([MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", str(k), str(CLI), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return mpi_cli.mpirun(CLI, k, *args)
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")

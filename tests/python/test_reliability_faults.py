@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+import mpi_cli
+from mpi_cli import MPIRUN
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(os.environ.get("RESHARD_CLI", ROOT / "build" / "bin" / "reshard"))
 MODEL = ROOT / "configs" / "models" / "tiny-gpt.yaml"
@@ -32,13 +35,8 @@ def cli(*args):
     return subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
-MPIRUN = shutil.which("mpirun")
-
-
 def mpirun(k, *args):
-    """`reshard ARGS` on k ranks under mpirun."""
-    return subprocess.run([MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", str(k), str(CLI), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return mpi_cli.mpirun(CLI, k, *args)
 
 
 def one_line_error(r):
