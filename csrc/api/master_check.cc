@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <unordered_map>
 
 #include "reshard/consolidate.h"
@@ -41,44 +42,86 @@ Layout weights_and_masters(const Layout& T, const std::unordered_map<std::string
   return out;
 }
 
-// Elements per local row (dim 0) of every buffer of `tensor` in `T` (a ZeRO-0 layout: one
-// buffer per array and tp rank), or 0 when some piece of those buffers is not laid out row by
-// row (dim-0 stride a whole row, origin on a row boundary), so rows cannot be cut.
-int64_t row_elements(const Layout& T, const std::string& tensor) {
-  int64_t row = -1;
-  for (const Piece& p : T.pieces) {
-    if (T.arrays[p.array].tensor != tensor) continue;
-    if (p.box.ndim < 2) return 0;
-    int64_t inner = 1;
-    for (int d = 1; d < p.box.ndim; ++d) inner *= std::max<int64_t>(1, p.box.len[d]);
-    const int64_t s0 = p.strides[0];
-    if (s0 < inner || s0 <= 0 || p.base % s0 != 0 || T.buffers[p.buffer].numel % s0 != 0 || (row >= 0 && s0 != row))
-      return 0;
-    row = s0;
+// The dims of piece `p` longer than 1, outermost first (largest stride first), when the piece
+// fills [base, base + numel) of its buffer densely in that order (any order of the dims: a
+// legacy QKV's pieces are permuted); nullopt otherwise. A dense piece's elements in a buffer
+// range [lo, hi) are one range of its linear index in that order.
+std::optional<std::vector<int>> dense_order(const Piece& p) {
+  std::vector<int> ord;
+  for (int d = 0; d < p.box.ndim; ++d)
+    if (p.box.len[d] > 1) ord.push_back(d);
+  std::sort(ord.begin(), ord.end(), [&p](int x, int y) { return p.strides[x] > p.strides[y]; });
+  int64_t unit = 1;
+  for (size_t k = ord.size(); k-- > 0;) {
+    if (p.strides[ord[k]] != unit) return std::nullopt;
+    unit *= p.box.len[ord[k]];
   }
-  return row > 0 ? row : 0;
+  return ord;
 }
 
-// Cuts every buffer of `tensor` in `T` to its local rows [lo, hi) (row = `row` elements): the
-// buffer then holds those rows only and its pieces are clipped to them (row_elements > 0).
-void keep_rows(Layout& T, const std::string& tensor, int64_t row, int64_t lo, int64_t hi) {
+// Whether every buffer of `tensor` in `T` (a ZeRO-0 layout: one buffer per array and tp rank)
+// can be cut into element ranges: each of its pieces is dense (dense_order) and within its buffer.
+bool cuttable(const Layout& T, const std::string& tensor) {
+  for (const Piece& p : T.pieces) {
+    if (T.arrays[p.array].tensor != tensor || p.box.numel() == 0) continue;
+    if (!dense_order(p) || p.base < 0 || p.base + p.box.numel() > T.buffers[p.buffer].numel) return false;
+  }
+  return true;
+}
+
+// Cuts every buffer of `tensor` in `T` to its elements [lo, hi) (cuttable): the buffer then
+// holds those elements only and each piece is replaced by the boxes of it that lie there. A
+// range of a piece's linear index is a run of boxes: a partial innermost run, then ever larger
+// aligned blocks, then ever smaller ones (at most 2 x dims - 1 boxes), whatever the tensor's
+// shape, so a fused SwiGLU half or QKV query group is cut like any matrix's rows.
+void keep_elements(Layout& T, const std::string& tensor, int64_t lo, int64_t hi) {
   std::vector<int64_t> numel(T.buffers.size(), -1);
   std::vector<Piece> kept;
-  for (Piece p : T.pieces) {
+  for (const Piece& p : T.pieces) {
     if (T.arrays[p.array].tensor != tensor) {
       kept.push_back(p);
       continue;
     }
-    const int64_t rows = T.buffers[p.buffer].numel / row;
-    numel[p.buffer] = (std::min(hi, rows) - std::min(lo, rows)) * row;
-    // Local rows of this piece: [first, first + size[0]).
-    const int64_t first = p.base / row;
-    const int64_t a = std::max(lo, first), b = std::min(hi, first + p.box.len[0]);
-    if (a >= b) continue;
-    p.box.off[0] += a - first;
-    p.box.len[0] = b - a;
-    p.base = (a - lo) * row;
-    kept.push_back(p);
+    const int64_t n_buf = T.buffers[p.buffer].numel;
+    numel[p.buffer] = std::min(hi, n_buf) - std::min(lo, n_buf);
+    const std::vector<int> ord = *dense_order(p);
+    // The piece's linear indices in [lo, hi) of the buffer.
+    int64_t a = std::max(lo, p.base) - p.base;
+    const int64_t b = std::min(hi, p.base + p.box.numel()) - p.base;
+    const size_t k_dims = ord.size();
+    std::vector<int64_t> inner(k_dims, 1);  // elements per unit step of dim ord[k]
+    for (size_t k = k_dims; k-- > 1;) inner[k - 1] = inner[k] * p.box.len[ord[k]];
+    while (a < b) {
+      Piece q = p;
+      if (k_dims == 0) {  // one element
+        q.base = p.base - lo;
+        kept.push_back(q);
+        break;
+      }
+      // The outermost level whose unit starts at `a` and fits before `b`.
+      size_t k = 0;
+      while (a % inner[k] != 0 || inner[k] > b - a) ++k;
+      int64_t base = p.base;
+      for (size_t j = 0; j < k_dims; ++j) {
+        const int d = ord[j];
+        const int64_t at = (a / inner[j]) % p.box.len[d];
+        if (j < k) {
+          q.box.off[d] = p.box.off[d] + at;
+          q.box.len[d] = 1;
+        } else if (j == k) {
+          q.box.off[d] = p.box.off[d] + at;
+          q.box.len[d] = std::min((b - a) / inner[k], p.box.len[d] - at);
+        }
+        base += (j <= k ? at : 0) * p.strides[d];
+      }
+      q.base = base - lo;
+      a += q.box.len[ord[k]] * inner[k];
+      // The box is dense from q.base, so it lies within the cut buffer exactly when its last
+      // element does.
+      RESHARD_CHECK(q.base >= 0 && q.base + q.box.numel() <= numel[p.buffer], "element range [", lo, ", ", hi,
+                    ") of ", tensor, ": box ", q.box.to_string(), " at ", q.base, " outside the cut buffer");
+      kept.push_back(q);
+    }
   }
   T.pieces.swap(kept);
   for (size_t b = 0; b < T.buffers.size(); ++b)
@@ -184,12 +227,12 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   constexpr size_t kSlab = size_t(1) << 16;
   std::vector<uint8_t> rounded(kSlab * 8);
   std::vector<float> a(kSlab), b(kSlab);
-  // One pass: plan the layout `T` (the batch's tensors, or rows [row_lo, ...) of one tensor's
-  // shards), read it into the arena and compare each tensor's weights with its master; findings
-  // go into acc[k - first][tp rank]. row_lo is the pass's first local row, row its elements.
+  // One pass: plan the layout `T` (the batch's tensors, or elements [elem_lo, ...) of one
+  // tensor's shards), read it into the arena and compare each tensor's weights with its master;
+  // findings go into acc[k - first][tp rank].
   std::vector<std::vector<MasterMismatch>> acc;
   // The source as seen by one batch: its tensors [first, last) and only their pieces, so each
-  // pass plans over those, not over the whole checkpoint (a tensor cut into row ranges is
+  // pass plans over those, not over the whole checkpoint (a tensor cut into element ranges is
   // planned once per range).
   SourceLayout sub = src;
   auto select_batch = [&](size_t first, size_t last) {
@@ -204,7 +247,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     for (const Piece& p : S.pieces)
       if (want[size_t(p.array)]) sub.layout.pieces.push_back(p);
   };
-  auto pass = [&](const Layout& T, size_t first, size_t last, int64_t row_lo, int64_t row) {
+  auto pass = [&](const Layout& T, size_t first, size_t last, int64_t elem_lo) {
     const Plan plan = make_plan(sub, T, po);
     // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
     // clear each (in a VM several times a copy), which made this check cost seconds per GB.
@@ -260,7 +303,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
           for (size_t i = 0; i < n; ++i) {
             if (a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) continue;
             if (mm.differing++ == 0) {
-              mm.first = index_text(row_lo * row + at + int64_t(i), tp_shard(t, S.model, own.tp, r).local_shape);
+              mm.first = index_text(elem_lo + at + int64_t(i), tp_shard(t, S.model, own.tp, r).local_shape);
               mm.weight = a[i];
               mm.master = master[i];
             }
@@ -291,23 +334,23 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     select_batch(begin, end);
     const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
     acc.assign(end - begin, std::vector<MasterMismatch>(size_t(own.tp)));
-    const int64_t row = end - begin == 1 && bytes_held(T) > o.memory_budget ? row_elements(T, both[begin].name) : 0;
-    if (row == 0) {
-      pass(T, begin, end, 0, 0);
+    if (end - begin > 1 || bytes_held(T) <= o.memory_budget || !cuttable(T, both[begin].name)) {
+      pass(T, begin, end, 0);
     } else {
-      // One tensor larger than the budget (an embedding: vocab x hidden): its shards' local rows
-      // a chunk at a time, so the arena stays within the budget (a row at least).
-      int64_t rows = 0;
-      uint64_t row_bytes = 0;
+      // One tensor larger than the budget (an embedding, a fused SwiGLU or QKV matrix): its
+      // shards' elements a range at a time, so the arena stays within the budget. The ranges
+      // cut the stored order, whatever the tensor's dims (a row, a half or a query group).
+      int64_t n = 0;
+      uint64_t element_bytes = 0;  // one element of every buffer of the tensor
       for (const Buffer& buf : T.buffers) {
-        rows = std::max(rows, buf.numel / row);
-        row_bytes += uint64_t(row) * dtype_size(buf.dtype);
+        n = std::max(n, buf.numel);
+        element_bytes += dtype_size(buf.dtype);
       }
-      const int64_t step = std::max<int64_t>(1, int64_t(o.memory_budget / row_bytes));
-      for (int64_t lo_row = 0; lo_row < rows; lo_row += step) {
+      const int64_t step = std::max<int64_t>(1, int64_t(o.memory_budget / element_bytes));
+      for (int64_t lo_el = 0; lo_el < n; lo_el += step) {
         Layout part_of = T;
-        keep_rows(part_of, both[begin].name, row, lo_row, std::min(rows, lo_row + step));
-        pass(part_of, begin, end, lo_row, row);
+        keep_elements(part_of, both[begin].name, lo_el, std::min(n, lo_el + step));
+        pass(part_of, begin, end, lo_el);
       }
     }
     report(begin, end);

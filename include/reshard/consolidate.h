@@ -96,8 +96,8 @@ struct MasterCheck {
   int64_t elements_checked = 0;  // summed over tp ranks
   uint64_t bytes_read = 0;       // read from the checkpoint for it (replica comparisons included)
   /// Most bytes of weights and masters held at once (all tp ranks' shards): at most
-  /// options.memory_budget, unless one dim-0 index of a tensor's layout array is larger (a
-  /// matrix row; for fused tensors a whole SwiGLU half or QKV group: see below).
+  /// options.memory_budget (a larger tensor is compared a range of its elements at a time),
+  /// unless a budget smaller than one element of every shard is given.
   uint64_t peak_bytes_held = 0;
   std::vector<MasterMismatch> mismatches;
 };
@@ -115,13 +115,11 @@ struct MasterCheck {
 /// step would overwrite them from the master. Tensors without both a stored weight and a stored
 /// master (ZeRO-3 checkpoints store no 16-bit weights; weights-only checkpoints) are skipped.
 /// Memory: the weights and masters of a batch of tensors at a time, at most
-/// options.memory_budget bytes; a tensor larger than that (an embedding: vocab x hidden) is
-/// compared a range of its layout array's dim-0 indices at a time. Known limit: for fused tensors
-/// the array's dim 0 is not a row. SwiGLU dense_h_to_4h is [2, ffn/tp, hidden], so one index is the
-/// whole gate or up half; fused QKV is [groups, ...], so one index is a query group. Such a
-/// tensor is held half (or a group) at a time, summed over the tp ranks: 270 MB for one
-/// llama2-7b layer at tp 1, about 1.4 GB for llama2-70b at tp 8 (estimate). Embeddings and other
-/// plain matrices stay within the budget. Errors: the reader's
+/// options.memory_budget bytes; a tensor larger than that (an embedding, a fused SwiGLU
+/// dense_h_to_4h or QKV) is compared a range of its shards' elements, in stored order, at a time,
+/// whatever its dims, so MasterCheck::peak_bytes_held stays within the budget (unless a tensor's
+/// pieces are not dense in their buffers: then that tensor is held whole; no format here stores
+/// such pieces). Errors: the reader's
 /// read errors; Error(kDataLoss) when a region is covered by no file, or (options.replicas)
 /// copies of a replicated weight or master differ. Used by `reshard verify`, by loads with
 /// verify="full" and by `convert --verify full`.

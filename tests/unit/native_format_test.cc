@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "formats/safetensors/safetensors.h"
@@ -302,6 +303,33 @@ TEST(NativeFormat, ChecksumDetectsFlippedByte) {
   }
   EXPECT_EQ(failing, 1);
   EXPECT_EQ(r->begin_check(0, 0, 1), nullptr) << "a range that is no piece has no check";
+  io::remove_all(root);
+}
+
+// verify_all reads a piece through a small buffer a chunk (8 MiB) at a time: a piece of several
+// chunks passes when sound and fails when a byte of its last chunk is flipped (a chunk skipped
+// or read twice would fail the sound one; a hash of the first chunk only would pass the other).
+TEST(NativeFormat, VerifyChecksPiecesLargerThanItsReadChunk) {
+  ModelConfig m = small_model();
+  m.vocab = 300000;  // word embeddings' fp32 master: 300000 x 16 x 4 B = 19.2 MB, three chunks
+  const std::string root = testing::make_temp_dir("native_big_piece_");
+  synth_checkpoint(root, m, Topology::parse("tp=1,dp=1,zero=0"), 3);
+  const std::string file = io::join(root, "step-1/rank_00000.safetensors");
+  uint64_t off = 0, len = 0;
+  {
+    auto r = open_checkpoint(root);
+    ASSERT_TRUE(verify_all(*r).empty());
+    for (const Piece& p : r->source().layout.pieces) {
+      auto [o, l] = piece_bytes(r->source(), p);
+      if (l > len) off = o, len = l;
+    }
+  }
+  ASSERT_GT(len, uint64_t(16) << 20);
+  testing::flip_bits(file, off + len - 5, 0x01);
+  const std::vector<std::string> problems = verify_all(*open_checkpoint(root));
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_HAS(problems[0], "bytes [" + std::to_string(off) + ", " + std::to_string(off + len) + ")");
+  EXPECT_HAS(problems[0], "xxh3 mismatch");
   io::remove_all(root);
 }
 
@@ -641,6 +669,72 @@ TEST(NativeSynth, WeightsAgainstMasterInRowRangesFindALateRowEdit) {
   EXPECT_GT(a.peak_bytes_held, cut.memory_budget);
   EXPECT_LE(b.peak_bytes_held, cut.memory_budget);
   std::filesystem::remove_all(root);
+}
+
+// Fused tensors are cut by element ranges of their stored order too: SwiGLU dense_h_to_4h's
+// layout array is [2, ffn/tp, hidden] and a grouped QKV's [groups, ...], so cutting the layout
+// array's dim 0 held a whole half or query group (270 MB for one llama2-7b layer at a 64 MiB
+// budget). A budget smaller than one matrix row makes every range start and end mid-row, and
+// the legacy QKV (version 0) has permuted strides.
+TEST(NativeSynth, WeightsAgainstMasterInElementRangesCutFusedTensorsWithinTheBudget) {
+  ModelConfig legacy = small_model();
+  legacy.query_groups = 0;
+  legacy.qkv_version = 0;
+  legacy.param_dtype = DType::F16;
+  for (const ModelConfig& m : {small_model(), legacy}) {
+    SCOPED_TRACE(m.qkv_version);
+    const std::string root = testing::make_temp_dir("master_fused_");
+    synth_checkpoint(root, m, Topology::parse("tp=2,pp=1,dp=1,zero=1"), 5);
+    // One flipped low bit in tp rank 1's weight shard of each of these, at element `at` of the
+    // shard (from its end when negative): the up half of SwiGLU, a middle query group.
+    const std::vector<std::pair<std::string, int64_t>> edits = {{"layers.1.mlp.dense_h_to_4h.weight", -7},
+                                                                {"layers.2.self_attention.query_key_value.weight", 100}};
+    std::map<std::string, std::string> first;  // tensor -> expected first index
+    {
+      auto sound = open_checkpoint(root);
+      const SourceLayout& s = sound->source();
+      std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
+      std::vector<const void*> ptrs;
+      for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
+        const Buffer& buf = s.layout.buffers[b];
+        mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
+        sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
+        for (const auto& [tensor, at] : edits) {
+          if (buf.rank != 1 || buf.name != "weight/" + tensor) continue;
+          const int64_t e = at < 0 ? buf.numel + at : at;
+          mem[b][size_t(e) * 2] ^= 1;
+          const TensorSpec* t = nullptr;
+          for (const TensorSpec& x : s.layout.tensors)
+            if (x.name == tensor) t = &x;
+          ASSERT_NE(t, nullptr) << tensor;
+          const std::vector<int64_t> shape = tp_shard(*t, m, 2, 1).local_shape;
+          ASSERT_EQ(shape.size(), 2u);
+          first[tensor] = "[" + std::to_string(e / shape[1]) + ", " + std::to_string(e % shape[1]) + "]";
+        }
+        ptrs.push_back(mem[b].data());
+      }
+      ASSERT_EQ(first.size(), edits.size());
+      save_native_all_ranks(root, "step-2", s.layout, ptrs, sound->state());
+    }
+    auto ck = open_checkpoint(root);
+    MasterCheckOptions whole, cut;
+    cut.memory_budget = 100;  // 8 elements of both tp shards' weights and masters: under a row
+    const MasterCheck a = check_weights_against_master(*ck, whole), b = check_weights_against_master(*ck, cut);
+    ASSERT_EQ(a.mismatches.size(), edits.size());
+    for (const MasterMismatch& mm : a.mismatches) {
+      SCOPED_TRACE(mm.tensor);
+      ASSERT_TRUE(first.count(mm.tensor));
+      EXPECT_EQ(mm.tp_rank, 1);
+      EXPECT_EQ(mm.differing, 1);
+      EXPECT_EQ(mm.first, first[mm.tensor]);
+    }
+    ASSERT_EQ(b.mismatches.size(), a.mismatches.size());
+    for (size_t i = 0; i < a.mismatches.size(); ++i) EXPECT_EQ(b.mismatches[i].to_string(), a.mismatches[i].to_string());
+    EXPECT_EQ(b.tensors_checked, a.tensors_checked);
+    EXPECT_EQ(b.elements_checked, a.elements_checked);
+    EXPECT_LE(b.peak_bytes_held, cut.memory_budget);
+    std::filesystem::remove_all(root);
+  }
 }
 
 TEST(NativeSynth, SameSeedSameModelAtAnyLayout) {
