@@ -202,12 +202,17 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     const int w = S.find_array(t.name, StateKind::kWeight), m = S.find_array(t.name, StateKind::kMaster);
     if (w < 0 || m < 0 || !stored[w] || !stored[m]) continue;
     if (seen++ % parts != part) continue;
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
     both.push_back(t);
-    // Weights and masters of every tp rank's shard (a tensor replicated over tp: tp copies).
-    const bool replicated = t.split == Split::kReplicated && t.reduction == Reduction::kReplicated;
-    bytes.push_back(uint64_t(n) * (dtype_size(weight_dtype.at(t.name)) + 4) * uint64_t(replicated ? S.topo.tp : 1));
+    // Weights and masters of every tp rank's shard as held (a tensor replicated over tp, a
+    // partial_sum one: tp whole copies; a QKV whose K/V rows are copied to several tp ranks
+    // when tp > query groups: those copies), so a batch within the budget holds no more.
+    uint64_t n = 0;
+    for (int r = 0; r < S.topo.tp; ++r) {
+      uint64_t local = 1;
+      for (int64_t d : tp_shard(t, S.model, S.topo.tp, r).local_shape) local *= uint64_t(d);
+      n += local;
+    }
+    bytes.push_back(n * (dtype_size(weight_dtype.at(t.name)) + 4));
   }
   if (both.empty()) return out;
 
@@ -248,7 +253,15 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
       if (want[size_t(p.array)]) sub.layout.pieces.push_back(p);
   };
   auto pass = [&](const Layout& T, size_t first, size_t last, int64_t elem_lo) {
-    const Plan plan = make_plan(sub, T, po);
+    // A tensor cut into element ranges has its replica copies compared in its first pass only:
+    // each pass's plan compares the copies whole, so doing it in every pass read them again per
+    // range (a 134 MB replicated tensor at an 8 MiB budget: 118 GB read).
+    PlanOptions pass_po = po;
+    if (elem_lo > 0) {
+      pass_po.compare_replicas = false;
+      pass_po.replica_policy = ReplicaPolicy::kFirst;
+    }
+    const Plan plan = make_plan(sub, T, pass_po);
     // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
     // clear each (in a VM several times a copy), which made this check cost seconds per GB.
     std::vector<size_t> offset_of(T.buffers.size());
@@ -266,7 +279,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
       ptrs.push_back(arena.data() + offset_of[i]);
       mem.push_back(arena.data() + offset_of[i]);
     }
-    const std::vector<ReplicaResult> compared = simulate_plan(plan, T, read, ptrs, po.replica_policy, 0.0);
+    const std::vector<ReplicaResult> compared = simulate_plan(plan, T, read, ptrs, pass_po.replica_policy, 0.0);
     out.bytes_read += plan.bytes_to_read;
     for (const ReplicaResult& c : compared) out.bytes_read += 2 * plan.replica_compares[c.compare].box.numel() *
                                                                dtype_size(plan.replica_compares[c.compare].authoritative.dtype);

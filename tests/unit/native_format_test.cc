@@ -737,6 +737,35 @@ TEST(NativeSynth, WeightsAgainstMasterInElementRangesCutFusedTensorsWithinTheBud
   }
 }
 
+// Two costs of the batching and the cut, found by the session-11 tester. A batch is sized by
+// what its tensors hold at the checkpoint's tp: at tp 4 with 2 query groups (replicate_kv) every
+// tp rank also holds its group's K and V rows, which a size taken from the global shape missed
+// (a batch over the budget). And a replicated tensor cut into ranges has its copies compared
+// once, not once per range: the bytes read are the same at every budget.
+TEST(NativeSynth, WeightsAgainstMasterBatchesCountCopiedKvRowsAndCompareReplicasOnce) {
+  ModelConfig m = small_model();  // 2 query groups, replicate_kv
+  m.vocab = 400;
+  m.tied_embeddings = true;
+  const std::string root = testing::make_temp_dir("master_batches_");
+  synth_checkpoint(root, m, Topology::parse("tp=4,pp=1,dp=1,zero=1"), 9);
+  auto ck = open_checkpoint(root);
+  MasterCheckOptions whole;
+  whole.memory_budget = uint64_t(1) << 40;
+  const MasterCheck a = check_weights_against_master(*ck, whole);
+  EXPECT_TRUE(a.mismatches.empty());
+  for (uint64_t budget : {uint64_t(333), uint64_t(4000), uint64_t(12345)}) {
+    SCOPED_TRACE(budget);
+    MasterCheckOptions o;
+    o.memory_budget = budget;
+    const MasterCheck b = check_weights_against_master(*ck, o);
+    EXPECT_LE(b.peak_bytes_held, budget);
+    EXPECT_EQ(b.elements_checked, a.elements_checked);
+    EXPECT_EQ(b.bytes_read, a.bytes_read);
+    EXPECT_TRUE(b.mismatches.empty());
+  }
+  std::filesystem::remove_all(root);
+}
+
 TEST(NativeSynth, SameSeedSameModelAtAnyLayout) {
   ModelConfig m = small_model();
   m.vocab = 45;  // padded differently at tp=1 and tp=4
