@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -621,6 +622,23 @@ TEST(NativeOpen, PathCases) {
   io::remove_all(base);
 }
 
+// Reads every buffer of the checkpoint at `root`, lets `edit` change a buffer's bytes, and saves
+// them all as step-2 through the writer, so every checksum holds for the edited bytes.
+void resave_edited(const std::string& root, const std::function<void(const Buffer&, std::vector<uint8_t>&)>& edit) {
+  auto sound = open_checkpoint(root);
+  const SourceLayout& s = sound->source();
+  std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
+  std::vector<const void*> ptrs;
+  for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
+    const Buffer& buf = s.layout.buffers[b];
+    mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
+    sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
+    edit(buf, mem[b]);
+    ptrs.push_back(mem[b].data());
+  }
+  save_native_all_ranks(root, "step-2", s.layout, ptrs, sound->state());
+}
+
 // check_weights_against_master within a budget smaller than a tensor compares it a range of
 // local rows at a time. One bf16 ulp edited in a late row of tp rank 1's word embeddings (seen
 // through the writer, so every checksum holds) is found at its index in that rank's shard, with
@@ -632,24 +650,12 @@ TEST(NativeSynth, WeightsAgainstMasterInRowRangesFindALateRowEdit) {
   synth_checkpoint(root, m, Topology::parse("tp=2,pp=1,dp=1,zero=1"), 11);
   const std::string tensor = "embedding.word_embeddings.weight";
   int64_t rows = 0;
-  {
-    auto sound = open_checkpoint(root);
-    const SourceLayout& s = sound->source();
-    std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
-    std::vector<const void*> ptrs;
-    for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
-      const Buffer& buf = s.layout.buffers[b];
-      mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
-      sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
-      if (buf.rank == 1 && buf.name == "weight/" + tensor) {
-        rows = buf.numel / m.hidden;
-        mem[b][size_t((rows - 3) * m.hidden + 5) * 2] ^= 1;  // [rows - 3, 5], low bit of the bf16
-      }
-      ptrs.push_back(mem[b].data());
-    }
-    ASSERT_GT(rows, 100);
-    save_native_all_ranks(root, "step-2", s.layout, ptrs, sound->state());
-  }
+  resave_edited(root, [&](const Buffer& buf, std::vector<uint8_t>& bytes) {
+    if (buf.rank != 1 || buf.name != "weight/" + tensor) return;
+    rows = buf.numel / m.hidden;
+    bytes[size_t((rows - 3) * m.hidden + 5) * 2] ^= 1;  // [rows - 3, 5], low bit of the bf16
+  });
+  ASSERT_GT(rows, 100);
   auto ck = open_checkpoint(root);
   ASSERT_NE(ck->path().find("step-2"), std::string::npos);
   MasterCheckOptions whole, cut;
@@ -690,32 +696,20 @@ TEST(NativeSynth, WeightsAgainstMasterInElementRangesCutFusedTensorsWithinTheBud
     const std::vector<std::pair<std::string, int64_t>> edits = {{"layers.1.mlp.dense_h_to_4h.weight", -7},
                                                                 {"layers.2.self_attention.query_key_value.weight", 100}};
     std::map<std::string, std::string> first;  // tensor -> expected first index
-    {
-      auto sound = open_checkpoint(root);
-      const SourceLayout& s = sound->source();
-      std::vector<std::vector<uint8_t>> mem(s.layout.buffers.size());
-      std::vector<const void*> ptrs;
-      for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
-        const Buffer& buf = s.layout.buffers[b];
-        mem[b].resize(size_t(buf.numel) * dtype_size(buf.dtype));
-        sound->read(s.locations[b].file, s.locations[b].byte_offset, mem[b].size(), mem[b].data());
-        for (const auto& [tensor, at] : edits) {
-          if (buf.rank != 1 || buf.name != "weight/" + tensor) continue;
-          const int64_t e = at < 0 ? buf.numel + at : at;
-          mem[b][size_t(e) * 2] ^= 1;
-          const TensorSpec* t = nullptr;
-          for (const TensorSpec& x : s.layout.tensors)
-            if (x.name == tensor) t = &x;
-          ASSERT_NE(t, nullptr) << tensor;
-          const std::vector<int64_t> shape = tp_shard(*t, m, 2, 1).local_shape;
-          ASSERT_EQ(shape.size(), 2u);
-          first[tensor] = "[" + std::to_string(e / shape[1]) + ", " + std::to_string(e % shape[1]) + "]";
-        }
-        ptrs.push_back(mem[b].data());
+    const std::vector<TensorSpec> tensors = open_checkpoint(root)->source().layout.tensors;
+    resave_edited(root, [&](const Buffer& buf, std::vector<uint8_t>& bytes) {
+      for (const auto& [tensor, at] : edits) {
+        if (buf.rank != 1 || buf.name != "weight/" + tensor) continue;
+        const int64_t e = at < 0 ? buf.numel + at : at;
+        bytes[size_t(e) * 2] ^= 1;
+        const auto t = std::find_if(tensors.begin(), tensors.end(), [&](const TensorSpec& x) { return x.name == tensor; });
+        ASSERT_NE(t, tensors.end()) << tensor;
+        const std::vector<int64_t> shape = tp_shard(*t, m, 2, 1).local_shape;
+        ASSERT_EQ(shape.size(), 2u);
+        first[tensor] = "[" + std::to_string(e / shape[1]) + ", " + std::to_string(e % shape[1]) + "]";
       }
-      ASSERT_EQ(first.size(), edits.size());
-      save_native_all_ranks(root, "step-2", s.layout, ptrs, sound->state());
-    }
+    });
+    ASSERT_EQ(first.size(), edits.size());
     auto ck = open_checkpoint(root);
     MasterCheckOptions whole, cut;
     cut.memory_budget = 100;  // 8 elements of both tp shards' weights and masters: under a row
