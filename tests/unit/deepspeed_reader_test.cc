@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <functional>
 #include <regex>
 #include <set>
@@ -212,6 +213,28 @@ std::pair<uint64_t, uint64_t> tensor_bytes(const std::string& path, const std::s
 }
 
 // ---------------------------------------------------------------------------------------------
+
+// The archive folder torch.save wrote against the file's name: only a folder that names another
+// file of a DeepSpeed save is a conflict; the file's own stem, "archive" (a buffer save) and other
+// names are not evidence.
+TEST(DeepSpeedNames, ArchiveFolderNamingAnotherFileIsAConflict) {
+  EXPECT_EQ(ds::archive_name_conflict("layer_03-model_00-model_states.pt", "layer_03-model_00-model_states"), "");
+  EXPECT_EQ(ds::archive_name_conflict("layer_03-model_00-model_states.pt", "archive"), "");
+  EXPECT_EQ(ds::archive_name_conflict("mp_rank_00_model_states.pt", "my_backup_copy"), "");
+  // Same file under another spelling: the bf16_ prefix and leading zeros say nothing of the rank.
+  EXPECT_EQ(ds::archive_name_conflict("zero_pp_rank_1_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states"), "");
+  EXPECT_EQ(ds::archive_name_conflict("mp_rank_01_model_states.pt", "mp_rank_1_model_states"), "");
+  const std::string layer = ds::archive_name_conflict("layer_03-model_00-model_states.pt", "layer_03-model_01-model_states");
+  EXPECT_NE(layer.find("saved as layer_03-model_01-model_states.pt"), std::string::npos) << layer;
+  EXPECT_NE(layer.find("holds pipeline layer 3 of tp rank 1, not pipeline layer 3 of tp rank 0"), std::string::npos) << layer;
+  const std::string z3 = ds::archive_name_conflict("zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states");
+  EXPECT_NE(z3.find("holds the optimizer state of dp rank 1, mp rank 0, not the optimizer state of dp rank 0, mp rank 0"),
+            std::string::npos) << z3;
+  // Another kind of file altogether (an optimizer file copied over a model file).
+  const std::string kind = ds::archive_name_conflict("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states");
+  EXPECT_NE(kind.find("holds the optimizer state of dp rank 0, mp rank 0, not the model states of mp rank 0"), std::string::npos) << kind;
+  EXPECT_NE(ds::archive_name_conflict("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_01_model_states"), "");
+}
 
 TEST(DeepSpeedNames, FileNames) {
   auto f = ds::parse_file_name("bf16_zero_pp_rank_3_mp_rank_02_optim_states.pt");
@@ -564,12 +587,31 @@ TEST(DeepSpeedFailures, B10_ReplicatedLayerNormDiffersAcrossTp) {
   fs::remove_all(fs::path(step).parent_path());
 }
 
+// Rewrites the top-level folder of every entry of a torch.save archive in place (`from` and `to`
+// of one length: the ZIP's local headers and central directory name each entry; the CRC-32s cover
+// the data only), as if the file had been saved under the name `to`.
+void rewrite_archive_folder(const std::string& path, const std::string& from, const std::string& to) {
+  ASSERT_EQ(from.size(), to.size());
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  size_t n = 0;
+  for (size_t at = bytes.find(from + "/"); at != std::string::npos; at = bytes.find(from + "/", at + 1), ++n)
+    bytes.replace(at, from.size(), to);
+  ASSERT_GT(n, 0u) << path << " has no entry under " << from << "/";
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
 // Two tp ranks' files of one pipeline layer swapped (layer_03-model_00 <-> layer_03-model_01):
-// every shape matches and every zip CRC holds, so the open, the checksums and coverage pass, and a
-// load would put tp rank 1's weights on tp rank 0. The fp32 masters in the optimizer files stay
-// with their tp rank, so the weights no longer equal the master rounded: check_weights_against_master
-// names each swapped tensor on both tp ranks, and nothing outside layer 1. (Known limit until
-// session 9.)
+// every shape matches and every zip CRC holds. The open refuses the files: torch.save named each
+// archive's folder after the file it wrote, and the folders now name the other file. With the
+// folders rewritten too (a tool that re-saved the files under the wrong names), the open, the
+// checksums and coverage pass, and a load would put tp rank 1's weights on tp rank 0. The fp32
+// masters in the optimizer files stay with their tp rank, so the weights no longer equal the
+// master rounded: check_weights_against_master names each swapped tensor on both tp ranks, and
+// nothing outside layer 1.
 TEST(DeepSpeedFailures, TpLayerFilesSwappedDisagreeWithTheMaster) {
   const std::string c = "pipe_pp2_tp2_dp2_z1_bf16_untied_gqa_swiglu";
   REQUIRE_FIXTURE(c);
@@ -583,6 +625,17 @@ TEST(DeepSpeedFailures, TpLayerFilesSwappedDisagreeWithTheMaster) {
   fs::rename(a, step + "/swap.tmp");
   fs::rename(b, a);
   fs::rename(step + "/swap.tmp", b);
+  try {
+    open_checkpoint(step);
+    ADD_FAILURE() << "swapped layer files opened";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
+    EXPECT_EQ(m.find(a + ": it was saved as layer_03-model_01-model_states.pt"), 0u) << m;
+    EXPECT_NE(m.find("holds pipeline layer 3 of tp rank 1, not pipeline layer 3 of tp rank 0"), std::string::npos) << m;
+  }
+  rewrite_archive_folder(a, "layer_03-model_01-model_states", "layer_03-model_00-model_states");
+  rewrite_archive_folder(b, "layer_03-model_00-model_states", "layer_03-model_01-model_states");
   auto reader = open_checkpoint(step);
   EXPECT_TRUE(verify_all(*reader).empty());
   const MasterCheck mc = check_weights_against_master(*reader);
@@ -613,6 +666,38 @@ TEST(DeepSpeedFailures, TpLayerFilesSwappedDisagreeWithTheMaster) {
   const std::string msg = mc.mismatches[0].to_string();
   EXPECT_NE(msg.find("weight elements differ from the fp32 master rounded to BF16 (first at ["), std::string::npos) << msg;
   EXPECT_NE(msg.find("the model files and the optimizer files disagree"), std::string::npos) << msg;
+  fs::remove_all(fs::path(step).parent_path());
+}
+
+// Two dp ranks' ZeRO-3 optimizer files swapped: they hold fp32 flat partitions of equal length
+// and no 16-bit weights, so neither shapes, checksums nor the weights-vs-master check can tell.
+// The archive folders can: the open refuses the first file it reaches, naming what it holds.
+TEST(DeepSpeedFailures, Zero3OptimizerFilesSwappedAreRefusedAtOpen) {
+  const std::string c = "plain_dp2_z3_fp32";
+  REQUIRE_FIXTURE(c);
+  const std::string step = copy_step(c, "z3swap");
+  const std::string a = step + "/zero_pp_rank_0_mp_rank_00_optim_states.pt", b = step + "/zero_pp_rank_1_mp_rank_00_optim_states.pt";
+  ASSERT_TRUE(fs::exists(a) && fs::exists(b));
+  EXPECT_NO_THROW(open_checkpoint(step));
+  fs::rename(a, step + "/swap.tmp");
+  fs::rename(b, a);
+  fs::rename(step + "/swap.tmp", b);
+  try {
+    open_checkpoint(step);
+    ADD_FAILURE() << "swapped ZeRO-3 optimizer files opened";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
+    const bool names_a = m.rfind(a + ": it was saved as zero_pp_rank_1_mp_rank_00_optim_states.pt", 0) == 0 &&
+                         m.find("the optimizer state of dp rank 1, mp rank 0, not the optimizer state of dp rank 0") != std::string::npos;
+    const bool names_b = m.rfind(b + ": it was saved as zero_pp_rank_0_mp_rank_00_optim_states.pt", 0) == 0 &&
+                         m.find("the optimizer state of dp rank 0, mp rank 0, not the optimizer state of dp rank 1") != std::string::npos;
+    EXPECT_TRUE(names_a || names_b) << m;
+  }
+  // One file copied over the other (both hold dp rank 0's state): refused too, not read as two ranks.
+  fs::rename(b, a);  // restores a's own bytes under a's name
+  fs::copy_file(a, b, fs::copy_options::overwrite_existing);
+  EXPECT_THROW(open_checkpoint(step), Error);
   fs::remove_all(fs::path(step).parent_path());
 }
 

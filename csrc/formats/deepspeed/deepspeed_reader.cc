@@ -17,6 +17,9 @@
 //  * stage of every tensor from the param_shapes of each mp rank; spec roles from the names inside
 //    each spec; transformer specs numbered by position.
 //  * model config (QKV meaning, SwiGLU, groups, vocab) from `args` or OpenOptions.model_path.
+//  * which file a file is: torch.save names each archive's top-level folder after the file it
+//    writes, so a file whose folder names another DeepSpeed file was renamed after the save and is
+//    refused at open (ds::archive_name_conflict).
 #include "formats/deepspeed/deepspeed_reader.h"
 
 #include <algorithm>
@@ -306,6 +309,10 @@ struct Builder {
       if (msg.find(o->path) == std::string::npos) msg = o->path + ": " + msg;
       throw Error(e.code(), msg);
     }
+    // A file renamed after the save (two tp ranks' layer files swapped, ZeRO-3 optimizer files
+    // swapped) passes every shape and checksum; torch.save's archive folder still says what it is.
+    const std::string conflict = ds::archive_name_conflict(name, o->ar.prefix);
+    if (!conflict.empty()) fail(ErrorCode::kDataLoss, o->path, ": ", conflict);
     if (o->ar.root().kind != Kind::Dict)
       fail(ErrorCode::kInvalidArgument, o->path, ": expected a dict at the top of the pickle, found ",
            o->ar.root().kind_name());

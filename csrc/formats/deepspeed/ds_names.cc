@@ -53,6 +53,33 @@ FileName parse_file_name(const std::string& name) {
   return f;
 }
 
+std::string describe(const FileName& f) {
+  const std::string mp = "mp rank " + std::to_string(f.mp), dp = "dp rank " + std::to_string(f.dp);
+  switch (f.kind) {
+    case FileName::kModel: return "the model states of " + mp;
+    case FileName::kZero3Model: return "the ZeRO-3 model states of " + dp + ", " + mp;
+    case FileName::kOptim: return "the optimizer state of " + dp + ", " + mp;
+    case FileName::kLayer: return "pipeline layer " + std::to_string(f.layer) + " of tp rank " + std::to_string(f.tp);
+    case FileName::kMoE: return "an expert file";
+    default: return "a file that is not part of a DeepSpeed save";
+  }
+}
+
+std::string archive_name_conflict(const std::string& file_name, const std::string& folder) {
+  const size_t dot = file_name.find_last_of('.');
+  const std::string stem = dot == std::string::npos ? file_name : file_name.substr(0, dot);
+  if (folder == stem) return "";
+  // The folder carries no extension; DeepSpeed's names all end in .pt.
+  const FileName was = parse_file_name(folder + ".pt"), is = parse_file_name(file_name);
+  if (was.kind == FileName::kOther || was.kind == FileName::kMoE) return "";
+  if (was.kind == is.kind && was.mp == is.mp && was.dp == is.dp && was.layer == is.layer && was.tp == is.tp)
+    return "";
+  return "it was saved as " + folder + ".pt (its archive's top-level folder is '" + folder +
+         "/', and torch.save names that folder after the file it writes), so it holds " + describe(was) +
+         ", not " + describe(is) + " as its name says: files of this save were renamed, swapped or copied over one " +
+         "another after it was written";
+}
+
 SpecRole role_of_locals(const std::set<std::string>& locals) {
   if (locals.empty()) return SpecRole::kUnknown;
   if (locals.count("word_embeddings.weight")) return SpecRole::kEmbedding;

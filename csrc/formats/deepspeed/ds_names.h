@@ -22,6 +22,25 @@ struct FileName {
 };
 FileName parse_file_name(const std::string& name);
 
+/// What a file holds, in words, from its parsed name: "the optimizer state of dp rank 1, mp rank 0",
+/// "layer 3 of tp rank 1", ...
+std::string describe(const FileName& f);
+
+/// Checks a file's name against the name torch.save gave its archive. torch.save(obj, path) names
+/// the ZIP's top-level folder after the file it writes: the file name without its last extension
+/// ("archive" when it writes to a buffer or to a non-ASCII path). Checked on DeepSpeed 0.19.8 saves
+/// under torch 2.13 (every file of a Megatron-DeepSpeed step folder, the demo's included) and on
+/// torch.save of "b.c.pt" -> "b.c/", of "noext" -> "noext/".
+/// Returns "" when the folder gives no evidence against the name: the folder is the file's own stem,
+/// is not a DeepSpeed file name at all (saved through a buffer, renamed wholesale by a tool), or
+/// names the same file (kind, ranks and layer equal; the bf16_ prefix is ignored, as for the file
+/// names). Otherwise returns why the file is not what its name says: its folder is the name of
+/// another file of a DeepSpeed save (two files swapped, or one copied over another), e.g.
+/// "it was saved as layer_03-model_01-model_states.pt (layer 3 of tp rank 1) ...".
+/// `file_name` is a base name ("layer_03-model_00-model_states.pt"), `folder` the archive's
+/// top-level folder without the slash. Pure.
+std::string archive_name_conflict(const std::string& file_name, const std::string& folder);
+
 /// Role of a pipeline spec (or tied module), from the local parameter names inside it.
 enum class SpecRole { kUnknown, kEmbedding, kTransformer, kHead, kNormCandidate, kFinalNorm };
 SpecRole role_of_locals(const std::set<std::string>& locals);
