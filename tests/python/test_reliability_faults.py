@@ -535,3 +535,47 @@ def test_deepspeed_folder_without_optimizer_files_is_refused_in_every_config_for
     want = {"bfloat16_key": "ds_config bfloat16.enabled=true", "zero_bool": "ds_config zero_optimization stage 1",
             "stage_string": "ds_config zero_optimization stage 1", "no_ds_config": "args.zero_stage=1"}[variant]
     assert want in str(e.value), str(e.value)
+
+
+def swap_files(a, b):
+    tmp = a.with_name(a.name + ".swap")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+@need_cli
+def test_rank_files_swapped_are_refused_even_where_verify_free_would_not_check(ck, tmp_path):
+    """Two native rank files swapped (dp rank 1's optimizer partitions of tp ranks 0 and 1): a tp
+    2 -> 4 convert with --verify free cuts those pieces between ranks and used to write rank 3's
+    state as rank 2's with exit 0. Each file's header records its rank: refused at open, exit 2,
+    nothing written; `verify` reports it (exit 1)."""
+    step = step_dir(ck)
+    swap_files(step / "rank_00002.safetensors", step / "rank_00003.safetensors")
+    out = tmp_path / "out"
+    r = cli("convert", ck, out, "--target", "tp=4,pp=1,dp=1,zero=1", "--verify", "free")
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = one_line_error(r)
+    assert f"{step / 'rank_00002.safetensors'}: the file holds the buffers of rank 3" in line, line
+    assert not out.exists() or not any(out.iterdir())
+    v = cli("verify", ck)
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert "the file holds the buffers of rank 3" in v.stdout + v.stderr
+
+
+@need_cli
+@pytest.mark.parametrize("files", [("layer_03-model_00-model_states.pt", "layer_03-model_01-model_states.pt"),
+                                   ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"),
+                                   ("mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt")])
+def test_deepspeed_files_swapped_are_refused_at_open(tmp_path, files):
+    """Two files of a real DeepSpeed save swapped: same shapes, valid CRCs. torch.save named each
+    archive's folder after the file it wrote, so the open names the file and what it holds."""
+    dst, step = copy_ds_fixture(tmp_path, "pipe_pp2_tp2_dp2_z1_fp32")
+    a, b = step / files[0], step / files[1]
+    swap_files(a, b)
+    out = tmp_path / "out"
+    r = cli("convert", dst, out, "--target", "tp=1,pp=1,dp=1,zero=1", "--verify", "off")
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = one_line_error(r)
+    first = f"{a}: it was saved as {b.name}" in line or f"{b}: it was saved as {a.name}" in line
+    assert first and "renamed, swapped or copied over one another" in line, line

@@ -383,6 +383,67 @@ TEST(NativeFormat, TruncatedDataFile) {
   io::remove_all(root);
 }
 
+// Rank files renamed among themselves, or one copied in from another save, keep their own
+// checksums and shapes: a load that cuts pieces between ranks (tp 2 -> 4) under verify="free"
+// read them unchecked and loaded rank 3's optimizer state as rank 2's (reproduced with `reshard
+// convert --verify free` before the files recorded their rank). Each file's header now records its
+// rank and the save's id, and the open refuses a file whose record disagrees with metadata.json.
+TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
+  const ModelConfig m = small_model();
+  const std::string root = testing::make_temp_dir("native_ident_"), other = testing::make_temp_dir("native_ident2_");
+  const Topology topo = Topology::parse("tp=2,dp=2,zero=1");
+  synth_checkpoint(root, m, topo, 5);
+  synth_checkpoint(other, m, topo, 5);  // the same values, another save
+  const std::string step = io::join(root, "step-1");
+  auto file = [&](int r) { return io::join(step, "rank_0000" + std::to_string(r) + ".safetensors"); };
+  auto swap = [&](int a, int b) {
+    std::filesystem::rename(file(a), step + "/t");
+    std::filesystem::rename(file(b), file(a));
+    std::filesystem::rename(step + "/t", file(b));
+  };
+  ASSERT_EQ(std::filesystem::file_size(file(2)), std::filesystem::file_size(file(3)));
+  swap(2, 3);
+  std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, file(2) + ": the file holds the buffers of rank 3");
+  EXPECT_HAS(msg, "metadata.json puts rank 2's buffers in it: rank files were renamed, swapped");
+  swap(2, 3);
+  ASSERT_NO_THROW(open_checkpoint(root));
+  // The same rank's file from another save of the same values: every checksum would pass.
+  std::filesystem::copy_file(file(1), step + "/keep");
+  std::filesystem::copy_file(io::join(other, "step-1/rank_00001.safetensors"), file(1),
+                             std::filesystem::copy_options::overwrite_existing);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, file(1) + ": the file was written by another save than metadata.json (save id '");
+  EXPECT_HAS(msg, "copied in from another checkpoint");
+  std::filesystem::rename(step + "/keep", file(1));
+  ASSERT_NO_THROW(open_checkpoint(root));
+
+  // Checkpoints written before the files recorded rank and save (no "save" in metadata.json, only
+  // "format" in __metadata__) open and verify as before; a file that has the record next to a
+  // metadata.json that has none is from another save.
+  const std::string meta = io::join(step, "metadata.json");
+  json j = json::parse(io::read_text(meta));
+  ASSERT_TRUE(j.contains("save"));
+  const std::string save = j["save"];
+  j.erase("save");
+  store_json(meta, j);
+  msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+  EXPECT_HAS(msg, "(save id '" + save + "' in the file's header, none in metadata.json)");
+  for (int r = 0; r < 4; ++r) {
+    std::string bytes = io::read_text(file(r));
+    const std::string rec = ",\"rank\":\"" + std::to_string(r) + "\",\"save\":\"" + save + "\"";
+    const size_t at = bytes.find(rec);
+    ASSERT_NE(at, std::string::npos) << file(r);
+    ASSERT_LT(at, 200u) << "the record is in the header's __metadata__";
+    bytes.replace(at, rec.size(), std::string(rec.size(), ' '));  // JSON whitespace: sizes stay
+    std::ofstream(file(r), std::ios::binary | std::ios::trunc) << bytes;
+  }
+  auto r = open_checkpoint(root);
+  EXPECT_TRUE(verify_all(*r).empty());
+  io::remove_all(root);
+  io::remove_all(other);
+}
+
 TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   const ModelConfig m = small_model();
   const std::string root = testing::make_temp_dir("native_meta_");

@@ -489,6 +489,7 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
   if (version < 1) root["format_version"].bad("must be >= 1");
 
   Metadata md;
+  if (root.has("save")) md.save = root["save"].str();
   md.layout = layout_from_json(root, &md.buffer_files, &md.checksums);
   md.state = state_from_json(root["state"]);
 

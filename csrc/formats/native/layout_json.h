@@ -89,6 +89,7 @@ struct Metadata {
   std::vector<int> buffer_file;           ///< per buffer: its index in `files`
   std::vector<std::string> checksums;     ///< per piece: xxh3-64 as 16 lowercase hex digits
   std::vector<std::pair<std::string, int64_t>> files;  ///< data files: plain rank file name, bytes
+  std::string save;  ///< the save's id ("" in files written before it was recorded); format.md §3
 };
 /// Parses a metadata.json text named `path` in errors: kDataLoss for text that is not JSON or a
 /// field that is missing, mistyped or inconsistent; kUnsupported for a format_version newer than

@@ -47,8 +47,10 @@ struct RankFileResult {
   std::vector<std::pair<int, std::string>> checksums;  // (piece index, xxh3 hex)
 };
 /// Writes and fsyncs dir/rank_<rank>.safetensors holding `rank`'s buffers (ptr(b) gives the bytes
-/// of buffer b), ordered by decreasing dtype size then layout order; checksums every piece.
-RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank,
+/// of buffer b), ordered by decreasing dtype size then layout order; checksums every piece. The
+/// header's __metadata__ records the file's rank and `save` (the save's id, also in metadata.json),
+/// so a file renamed, swapped or copied in from another save is refused at open (format.md §2).
+RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank, const std::string& save,
                                const std::vector<std::vector<int>>& by_buffer,
                                const std::function<const void*(int buffer)>& ptr);
 

@@ -121,6 +121,30 @@ class NativeReader final : public CheckpointReader {
     return *h;
   }
 
+  // The writer records each file's rank and the save's id in the file's __metadata__ and the id in
+  // metadata.json (format.md §2-§3). Two rank files swapped, or one copied in from another save,
+  // keep their own checksums and shapes: pieces a load cuts between ranks are not checked by
+  // verify="free", and would load another rank's or another save's values. Files without the
+  // fields (written before they were recorded) are not compared.
+  void check_identity(const std::string& path, const std::map<std::string, std::string>& meta, const std::string& save,
+                      const std::vector<int>& buffers) const {
+    auto rank_it = meta.find("rank");
+    if (rank_it != meta.end() && !buffers.empty()) {
+      const int want = src_.layout.buffers[buffers.front()].rank;
+      if (rank_it->second != std::to_string(want))
+        fail(ErrorCode::kDataLoss, path, ": the file holds the buffers of rank ", escape_controls(rank_it->second),
+             " (its safetensors header's __metadata__ says so), but ", kMetadataFile, " puts rank ", want,
+             "'s buffers in it: rank files were renamed, swapped or copied over one another after the save");
+    }
+    auto save_it = meta.find("save");
+    const std::string file_save = save_it == meta.end() ? std::string() : save_it->second;
+    if ((!save.empty() || !file_save.empty()) && file_save != save)
+      fail(ErrorCode::kDataLoss, path, ": the file was written by another save than ", kMetadataFile, " (save id ",
+           file_save.empty() ? "none" : "'" + escape_controls(file_save) + "'", " in the file's header, ",
+           save.empty() ? "none" : "'" + escape_controls(save) + "'", " in ", kMetadataFile,
+           "): a rank file was copied in from another checkpoint, or the folder mixes two saves");
+  }
+
   void load() {
     const std::string meta_path = io::join(dir_, kMetadataFile);
     if (!io::is_file(meta_path)) fail(ErrorCode::kNotFound, "no ", kMetadataFile, " in ", dir_, " (not a native step folder)");
@@ -176,6 +200,7 @@ class NativeReader final : public CheckpointReader {
       std::string htext(size_t(n), '\0');
       fh.pread(8, n, htext.data());
       safetensors::Header h = safetensors::parse_header(htext, path);
+      check_identity(path, h.metadata, md.save, buffers_of_file[f]);
       for (int b : buffers_of_file[f]) {
         const Buffer& buf = src_.layout.buffers[b];
         auto it = h.tensors.find(buf.name);

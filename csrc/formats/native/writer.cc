@@ -95,7 +95,7 @@ std::vector<std::vector<int>> pieces_by_buffer(const Layout& L) {
   return out;
 }
 
-RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank,
+RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank, const std::string& save,
                                const std::vector<std::vector<int>>& by_buffer,
                                const std::function<const void*(int buffer)>& ptr) {
   std::vector<int> mine;
@@ -109,7 +109,8 @@ RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank
   std::vector<safetensors::TensorToWrite> tensors;
   for (int b : mine) tensors.push_back({L.buffers[b].name, L.buffers[b].dtype, {L.buffers[b].numel}});
   std::vector<std::pair<uint64_t, uint64_t>> offsets;
-  const std::string header = safetensors::build_header(tensors, {{"format", "reshard"}}, &offsets);
+  const std::string header = safetensors::build_header(
+      tensors, {{"format", "reshard"}, {"rank", std::to_string(rank)}, {"save", save}}, &offsets);
 
   RankFileResult res;
   const std::string path = io::join(dir, rank_file_name(rank));
@@ -141,12 +142,12 @@ RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank
 
 namespace {
 
-std::string build_metadata(const std::string& step, const Layout& L, const NonTensorState& state,
+std::string build_metadata(const std::string& step, const std::string& save, const Layout& L, const NonTensorState& state,
                            const std::vector<std::string>& checksums, const std::vector<uint64_t>& file_bytes) {
   std::vector<std::string> buffer_files;
   for (const auto& b : L.buffers) buffer_files.push_back(rank_file_name(b.rank));
   json meta = {{"format", kFormatName}, {"format_version", kNativeFormatVersion}, {"writer", "reshard native writer"},
-               {"step", step}};
+               {"step", step}, {"save", save}};
   json lj = layout_to_json(L, buffer_files, checksums);
   for (auto it = lj.begin(); it != lj.end(); ++it) meta[it.key()] = it.value();
   meta["checksum"] = "xxh3-64";
@@ -276,11 +277,11 @@ void save_all_ranks_with(const std::string& root, const std::string& step, const
       if (ptrs.size() != L.buffers.size())
         fail(ErrorCode::kInvalidArgument, "save: ", ptrs.size(), " buffer pointers for a layout of ", L.buffers.size(),
              " buffers");
-      RankFileResult res = write_rank_file(tmpdir, L, r, by_buffer, [&](int b) { return ptrs[b]; });
+      RankFileResult res = write_rank_file(tmpdir, L, r, nonce, by_buffer, [&](int b) { return ptrs[b]; });
       bytes[r] = res.bytes;
       for (auto& [p, h] : res.checksums) checksums[p] = std::move(h);
     }
-    commit_step(root, step, tmpdir, nonce, build_metadata(step, L, state, checksums, bytes));
+    commit_step(root, step, tmpdir, nonce, build_metadata(step, nonce, L, state, checksums, bytes));
   } catch (...) {
     try {
       io::remove_all(tmpdir);
@@ -372,7 +373,7 @@ void save_native(const std::string& root, const std::string& step, const Layout&
   const auto by_buffer = pieces_by_buffer(L);
   RankFileResult mine;
   std::string err = try_local([&] {
-    mine = write_rank_file(tmpdir, L, rank, by_buffer, [&](int b) { return buffers[b]; });
+    mine = write_rank_file(tmpdir, L, rank, nonce, by_buffer, [&](int b) { return buffers[b]; });
   });
   std::ostringstream report;
   if (err.empty()) {
@@ -410,7 +411,7 @@ void save_native(const std::string& root, const std::string& step, const Layout&
           checksums[p] = item.substr(colon + 1);
         }
       }
-      commit_step(root, step, tmpdir, nonce, build_metadata(step, L, state, checksums, bytes));
+      commit_step(root, step, tmpdir, nonce, build_metadata(step, nonce, L, state, checksums, bytes));
     });
     if (!commit_err.empty()) cleanup();
   }
