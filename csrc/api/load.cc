@@ -64,6 +64,7 @@ LoadReport assemble_load_report(const Plan& plan, const Layout& target, const Ch
   r.checksums_verified = uint64_t(comm.all_reduce_sum(int64_t(st.checksums_verified)));
   r.bytes_verified = uint64_t(comm.all_reduce_sum(int64_t(st.bytes_verified)));
   r.peak_staging_bytes = uint64_t(comm.all_reduce_max(int64_t(peak_staging_bytes)));
+  r.peak_verify_bytes = uint64_t(comm.all_reduce_max(int64_t(st.peak_verify_bytes)));
   r.rank_bytes_read = st.bytes_read;
   r.rank_bytes_sent = st.bytes_sent;
   r.rank_bytes_received = st.bytes_received;
@@ -154,6 +155,7 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   if (options.io_threads < 1 || options.io_threads > 1024)
     fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024");
   eo.io_threads = options.io_threads;
+  eo.verify_memory_budget = std::min<uint64_t>(eo.verify_memory_budget, options.plan.memory_budget);
   eo.replica_policy = options.plan.replica_policy;
   eo.replica_atol = options.plan.replica_atol;
   if (options.verify == "off") eo.verify = VerifyMode::kOff;
@@ -206,6 +208,7 @@ std::string LoadReport::to_json() const {
   j["bytes_needed"] = bytes_needed;
   j["bytes_exchanged"] = bytes_exchanged;
   j["verify_bytes_read"] = verify_bytes_read;
+  j["peak_verify_bytes"] = peak_verify_bytes;
   j["target_bytes"] = target_bytes;
   j["checksums_verified"] = checksums_verified;
   j["bytes_verified"] = bytes_verified;

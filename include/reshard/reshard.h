@@ -80,6 +80,9 @@ struct LoadReport {
   double gbps = 0;                // target_bytes / seconds / 1e9 (GB = 10^9 bytes)
   int waves = 0;
   uint64_t peak_staging_bytes = 0;  // max over ranks
+  /// Max over ranks: bytes of weights and masters the verify="full" weights-vs-master comparison
+  /// held at a time (at most min(64 MiB, the plan's memory budget); 0 without verify="full").
+  uint64_t peak_verify_bytes = 0;
   std::vector<std::string> policies;     // policies applied and notes from the plan
   std::vector<std::string> not_carried;  // state not carried over, and why
   std::vector<std::string> replica_report;

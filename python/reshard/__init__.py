@@ -348,13 +348,15 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     or nothing; the pass counts in "verify_bytes_read"), then compares the checkpoint's
     16-bit weights with its fp32 master rounded to their dtype, the ranks sharing the tensors
     (DeepSpeed's optimizers keep them equal in every save; a difference means swapped tp layer
-    files, files from different saves or edited weights). "off": none.
+    files, files from different saves or edited weights), holding at most min(64 MiB,
+    memory_budget) of weights and masters at a time ("peak_verify_bytes"). "off": none.
 
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
     "bytes_read", "bytes_reread_on_node" (part of bytes_read that a second rank of a machine read
     from its page cache), "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes"
     (bytes, all ranks), "checksums_verified", "bytes_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
-    (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "policies", "not_carried",
+    (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "peak_verify_bytes" (bytes, max over
+    ranks), "policies", "not_carried",
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
     step, json, per_rank (only when the layout is identical)}, "text"}`` and this rank's phase
     times in seconds: "preflight_seconds" (checks before any write: plan agreement, files, the
