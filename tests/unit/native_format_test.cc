@@ -495,6 +495,35 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   });
   EXPECT_HAS(msg, "rank_00001.safetensors: buffer ");
   EXPECT_HAS(msg, "lies outside the file");
+  // Labels edited so that they disagree with each other: every checksum still holds, and a load
+  // would put one array's values in another. Two arrays' states swapped (exp_avg <-> exp_avg_sq
+  // of one tensor), the buffers' states swapped with them, two tensors' names swapped (same shape).
+  auto array_index = [](const json& j, const std::string& tensor, const std::string& state) {
+    for (size_t i = 0; i < j["arrays"].size(); ++i)
+      if (j["arrays"][i]["tensor"] == tensor && j["arrays"][i]["state"] == state) return i;
+    ADD_FAILURE() << tensor << "/" << state;
+    return size_t(0);
+  };
+  const std::string qkv0 = "layers.0.self_attention.query_key_value.weight", qkv1 = "layers.1.self_attention.query_key_value.weight";
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+    std::swap(j["arrays"][array_index(j, qkv0, "exp_avg")]["state"], j["arrays"][array_index(j, qkv0, "exp_avg_sq")]["state"]);
+  });
+  EXPECT_HAS(msg, "metadata.json: field 'pieces[");
+  EXPECT_HAS(msg, "does not belong in buffer exp_avg");
+  EXPECT_HAS(msg, "the labels in this file were edited");
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+    for (auto& a : j["arrays"])
+      if (a["state"] == "exp_avg") a["state"] = "exp_avg_sq"; else if (a["state"] == "exp_avg_sq") a["state"] = "exp_avg";
+    for (auto& b : j["buffers"])
+      if (b["state"] == "exp_avg") b["state"] = "exp_avg_sq"; else if (b["state"] == "exp_avg_sq") b["state"] = "exp_avg";
+  });
+  EXPECT_HAS(msg, "metadata.json: field 'buffers[");
+  EXPECT_HAS(msg, "' does not agree with its state 'exp_avg");
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+    std::swap(j["arrays"][array_index(j, qkv0, "weight")]["tensor"], j["arrays"][array_index(j, qkv1, "weight")]["tensor"]);
+  });
+  EXPECT_HAS(msg, "does not belong in buffer weight/layers.");
+  EXPECT_HAS(msg, "which holds weight values of layers.");
   // A field of the wrong type is named.
   msg = refused(ErrorCode::kDataLoss, [](json& j) { j["buffers"][2]["dtype"] = 7; });
   EXPECT_HAS(msg, "field 'buffers[2].dtype'");

@@ -507,6 +507,35 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
       fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "].xxh3' is ", h.empty() ? "missing or empty" : "'" + h + "'",
            "; every piece stores its xxh3-64 as 16 lowercase hex digits");
   }
+  // The labels agree with each other (format.md §3): a buffer is named "<state>/<tensor>" or
+  // "<state>/group<g>" after its own state and group, and its data file names its data the same
+  // way; each piece's array has its buffer's state and, in a per-tensor buffer, its tensor. Two
+  // arrays' `state` or `tensor` swapped in metadata.json (exp_avg <-> exp_avg_sq) kept every
+  // checksum valid and loaded one state's values as the other's.
+  for (size_t b = 0; b < md.layout.buffers.size(); ++b) {
+    const Buffer& buf = md.layout.buffers[b];
+    const std::string state = state_kind_name(buf.state);
+    const std::string want_rest = buf.group >= 0 ? "group" + std::to_string(buf.group) : std::string();
+    const bool ok = buf.name.size() > state.size() + 1 && buf.name.compare(0, state.size() + 1, state + "/") == 0 &&
+                    (buf.group < 0 || buf.name.compare(state.size() + 1, std::string::npos, want_rest) == 0);
+    if (!ok)
+      fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "]': the name '", escape_controls(buf.name),
+           "' does not agree with its state '", state, "'",
+           buf.group >= 0 ? " and group " + std::to_string(buf.group) : std::string(), " (the writer names it '", state,
+           "/", buf.group >= 0 ? want_rest : std::string("<tensor>"), "'); the labels in this file were edited");
+  }
+  for (size_t i = 0; i < md.layout.pieces.size(); ++i) {
+    const Piece& p = md.layout.pieces[i];
+    const LogicalArray& a = md.layout.arrays[size_t(p.array)];
+    const Buffer& buf = md.layout.buffers[size_t(p.buffer)];
+    const std::string buf_tensor = buf.group >= 0 ? std::string() : buf.name.substr(buf.name.find('/') + 1);
+    if (a.state != buf.state || (buf.group < 0 && a.tensor != buf_tensor))
+      fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()),
+           " does not belong in buffer ", escape_controls(buf.name), " (rank ", buf.rank, "), which holds ",
+           buf.group >= 0 ? std::string(state_kind_name(buf.state)) + " values of param group " + std::to_string(buf.group)
+                          : std::string(state_kind_name(buf.state)) + " values of " + escape_controls(buf_tensor),
+           "; the labels in this file were edited (a load would put one array's values in another)");
+  }
   // Pieces of one buffer never share an element: two pieces over the same bytes would load one
   // tensor's values into another (each with a matching checksum).
   {
