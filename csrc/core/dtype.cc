@@ -3,11 +3,42 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "reshard/error.h"
 
 namespace reshard {
+
+namespace detail {
+std::string one_line(std::string s) {
+  size_t i = 0;
+  for (; i < s.size(); ++i) {  // the common case: nothing to escape, no copy
+    const uint8_t c = uint8_t(s[i]);
+    if (c < 0x20 || c == 0x7f || c == 0xc2 || c == 0xe2) break;
+  }
+  if (i == s.size()) return s;
+  std::string out = s.substr(0, i);
+  char b[8];
+  for (; i < s.size(); ++i) {
+    const uint8_t c = uint8_t(s[i]);
+    if (c < 0x20 || c == 0x7f) {
+      std::snprintf(b, sizeof b, "\\x%02x", unsigned(c));
+      out += b;
+    } else if (c == 0xc2 && i + 1 < s.size() && uint8_t(s[i + 1]) == 0x85) {
+      out += "\\u0085";
+      ++i;
+    } else if (c == 0xe2 && i + 2 < s.size() && uint8_t(s[i + 1]) == 0x80 &&
+               (uint8_t(s[i + 2]) == 0xa8 || uint8_t(s[i + 2]) == 0xa9)) {
+      out += uint8_t(s[i + 2]) == 0xa8 ? "\\u2028" : "\\u2029";
+      i += 2;
+    } else {
+      out += char(c);
+    }
+  }
+  return out;
+}
+}  // namespace detail
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {

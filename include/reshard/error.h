@@ -43,12 +43,18 @@ std::string cat(Args&&... args) {
   (os << ... << std::forward<Args>(args));
   return os.str();
 }
+/// `s` as one line of text: ASCII control characters and DEL as \xNN, the Unicode line breaks
+/// U+0085, U+2028 and U+2029 (which Python's str.splitlines() splits on) as \uNNNN; everything
+/// else as is. Names read from files (tensor, key, path) may hold any of them.
+std::string one_line(std::string s);
 }  // namespace detail
 
-/// Throws Error(code, concatenation of args). Use for bad input, never for bugs.
+/// Throws Error(code, concatenation of args) as one line (detail::one_line): the CLI prints it as
+/// `reshard: error: <message>`, Python raises it as the exception's text. Use for bad input,
+/// never for bugs.
 template <typename... Args>
 [[noreturn]] void fail(ErrorCode code, Args&&... args) {
-  throw Error(code, detail::cat(std::forward<Args>(args)...));
+  throw Error(code, detail::one_line(detail::cat(std::forward<Args>(args)...)));
 }
 
 }  // namespace reshard

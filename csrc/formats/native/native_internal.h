@@ -36,7 +36,8 @@ class Xxh3Stream {
 };
 /// 16 random hex digits.
 std::string make_nonce();
-/// `s` for a one-line message: control characters (and DEL) as \xNN, everything else as is.
+/// `s` for a one-line message (detail::one_line): control characters (and DEL) as \xNN, Unicode
+/// line breaks as \uNNNN, everything else as is.
 std::string escape_controls(const std::string& s);
 
 /// Per buffer, the indices of its pieces.

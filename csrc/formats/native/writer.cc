@@ -42,19 +42,7 @@ void check_step_name(const std::string& step) {
   }
 }
 
-std::string escape_controls(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (uint8_t(c) >= 0x20 && c != 127) {
-      out += c;
-    } else {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\x%02x", unsigned(uint8_t(c)));
-      out += b;
-    }
-  }
-  return out;
-}
+std::string escape_controls(const std::string& s) { return detail::one_line(s); }
 
 std::string xxh3_hex(const void* data, size_t bytes) {
   char buf[17];
