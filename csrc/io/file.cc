@@ -56,20 +56,24 @@ MappedFile::MappedFile(const std::string& path) {
   do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   while (fd < 0 && errno == EINTR);
   if (fd < 0) fail_errno(errno, "cannot open " + path + " for reading");
+  try {
+    map(fd, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);  // the mapping keeps the file
+}
+
+MappedFile::MappedFile(int fd, const std::string& path) { map(fd, path); }
+
+void MappedFile::map(int fd, const std::string& path) {
   struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(ErrorCode::kInvalidArgument, "cannot map ", path, ": not a regular file");
-  }
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) fail(ErrorCode::kInvalidArgument, "cannot map ", path, ": not a regular file");
   size_ = uint64_t(st.st_size);
-  if (size_ == 0) {
-    ::close(fd);
-    return;
-  }
+  if (size_ == 0) return;
   void* p = ::mmap(nullptr, size_t(size_), PROT_READ, MAP_SHARED, fd, 0);
-  const int err = errno;
-  ::close(fd);
-  if (p == MAP_FAILED) fail(ErrorCode::kInvalidArgument, "cannot map ", path, " (", size_, " bytes): ", std::strerror(err));
+  if (p == MAP_FAILED) fail(ErrorCode::kInvalidArgument, "cannot map ", path, " (", size_, " bytes): ", std::strerror(errno));
   data_ = static_cast<uint8_t*>(p);
 #ifdef MADV_HUGEPAGE
   // Advisory: pages the load faults in from disk are read into 2 MiB folios where the filesystem
@@ -96,8 +100,8 @@ struct MappedFileSet::Slot {
   std::atomic<const MappedFile*> ready{nullptr};  // map, once made (read by drop_all)
 };
 
-MappedFileSet::MappedFileSet(std::vector<std::string> paths)
-    : paths_(std::move(paths)), slots_(new Slot[paths_.size()]) {}
+MappedFileSet::MappedFileSet(std::vector<std::string> paths, std::function<int(size_t)> fd_of)
+    : paths_(std::move(paths)), fd_of_(std::move(fd_of)), slots_(new Slot[paths_.size()]) {}
 
 MappedFileSet::~MappedFileSet() = default;
 
@@ -106,7 +110,7 @@ const MappedFile* MappedFileSet::get(size_t i) const {
   Slot& s = slots_[i];
   std::call_once(s.once, [&] {
     try {
-      s.map = std::make_unique<MappedFile>(paths_[i]);
+      s.map = fd_of_ ? std::make_unique<MappedFile>(fd_of_(i), paths_[i]) : std::make_unique<MappedFile>(paths_[i]);
     } catch (const Error&) {
       s.map.reset();  // missing or unmappable: read() reports it precisely
     }

@@ -38,6 +38,8 @@ class File {
 
   const std::string& path() const { return path_; }
   bool is_open() const { return fd_ >= 0; }
+  /// The descriptor (-1 when closed); it stays owned by this File.
+  int fd() const { return fd_; }
   uint64_t size() const;
   /// Reads exactly `length` bytes at `offset`; Error(kDataLoss) naming the range on a short read.
   /// Thread-safe (pread).
@@ -105,6 +107,9 @@ class MappedFile {
  public:
   /// Maps the file; Error(kNotFound) when it does not exist, kInvalidArgument when mmap fails.
   explicit MappedFile(const std::string& path);
+  /// Maps the file open as `fd` (not closed here): the bytes of the file that `fd` was opened on,
+  /// also after its path was renamed or replaced. `path` is for messages.
+  MappedFile(int fd, const std::string& path);
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
   ~MappedFile();
@@ -112,6 +117,7 @@ class MappedFile {
   uint64_t size() const { return size_; }
 
  private:
+  void map(int fd, const std::string& path);
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
 };
@@ -129,7 +135,10 @@ void drop_mapped_pages(const uint8_t* p, uint64_t bytes);
 /// is destroyed. get() returns nullptr where a file cannot be mapped (the caller then reads).
 class MappedFileSet {
  public:
-  explicit MappedFileSet(std::vector<std::string> paths);
+  /// Each file is mapped on its first get(): through fd_of(i) when given (a descriptor the caller
+  /// keeps open, so the mapping holds the same file as the caller's reads, whatever its path names
+  /// by then; fd_of may throw, and get() then returns nullptr), else by opening paths[i].
+  explicit MappedFileSet(std::vector<std::string> paths, std::function<int(size_t)> fd_of = nullptr);
   ~MappedFileSet();
   const MappedFile* get(size_t i) const;
   /// drop_mapped_pages over every file mapped so far (thread-safe; the mappings stay valid).
@@ -137,6 +146,7 @@ class MappedFileSet {
 
  private:
   std::vector<std::string> paths_;
+  std::function<int(size_t)> fd_of_;
   struct Slot;
   std::unique_ptr<Slot[]> slots_;
 };

@@ -701,6 +701,63 @@ TEST(DeepSpeedFailures, Zero3OptimizerFilesSwappedAreRefusedAtOpen) {
   fs::remove_all(fs::path(step).parent_path());
 }
 
+// Two names for one file of a save (session 12 tester: layer_03-model_states.pt written next to
+// layer_03-model_00-model_states.pt, both "layer 3 of tp rank 0"; the later name in the listing
+// won with no word, its values loaded under verify="free"). Refused at open, naming both.
+TEST(DeepSpeedFailures, TwoFilesForOneRankAreRefusedAtOpen) {
+  const std::string c = "pipe_pp1_tp1_dp2_z1_fp32";
+  REQUIRE_FIXTURE(c);
+  const std::string step = copy_step(c, "twonames");
+  ASSERT_TRUE(fs::exists(step + "/layer_03-model_00-model_states.pt"));
+  ASSERT_TRUE(fs::exists(step + "/mp_rank_00_model_states.pt"));
+  fs::copy_file(step + "/layer_03-model_00-model_states.pt", step + "/layer_03-model_states.pt");
+  try {
+    open_checkpoint(step);
+    ADD_FAILURE() << "two files for layer 3 opened";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << m;
+    EXPECT_NE(m.find("two files hold pipeline layer 3 of tp rank 0: layer_03-model_00-model_states.pt and "
+                     "layer_03-model_states.pt"), std::string::npos) << m;
+  }
+  fs::remove(step + "/layer_03-model_states.pt");
+  fs::copy_file(step + "/mp_rank_00_model_states.pt", step + "/mp_rank_0_model_states.pt");
+  EXPECT_THROW(open_checkpoint(step), Error);
+  fs::remove(step + "/mp_rank_0_model_states.pt");
+  EXPECT_NO_THROW(open_checkpoint(step));
+  fs::remove_all(fs::path(step).parent_path());
+}
+
+// Files swapped after the open: the reader reads and maps the files it opened (their descriptors),
+// so the load copies the values the open saw, not the swapped-in file's.
+TEST(DeepSpeedFailures, FilesSwappedAfterOpenAreNotWhatALoadReads) {
+  const std::string c = "pipe_pp2_tp2_dp2_z1_bf16_untied_gqa_swiglu";
+  REQUIRE_FIXTURE(c);
+  const std::string step = copy_step(c, "swapafter");
+  const std::string a = step + "/layer_03-model_00-model_states.pt", b = step + "/layer_03-model_01-model_states.pt";
+  auto comm = make_local_communicator();
+  auto load_all = [&](const CheckpointReader& r) {
+    const Layout target = derive_layout(r.source().layout.model, Topology::parse("tp=1,pp=1,dp=1,zero=1"));
+    std::vector<std::vector<uint8_t>> mem;
+    std::vector<void*> ptrs;
+    for (const Buffer& buf : target.buffers) mem.emplace_back(size_t(buf.numel) * dtype_size(buf.dtype), 0x5A);
+    for (auto& m : mem) ptrs.push_back(m.data());
+    LoadOptions o;
+    o.verify = "off";  // no checksum between the swap and the copy
+    load(r, target, ptrs, *comm, o);
+    return mem;
+  };
+  const auto ref = load_all(*open_checkpoint(step));
+  auto reader = open_checkpoint(step);
+  fs::rename(a, step + "/swap.tmp");
+  fs::rename(b, a);
+  fs::rename(step + "/swap.tmp", b);
+  const auto got = load_all(*reader);
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(got[i], ref[i]) << "buffer " << i;
+  fs::remove_all(fs::path(step).parent_path());
+}
+
 // B23: a missing rank file: the error lists the missing file and the uncovered element ranges,
 // before anything is written.
 TEST(DeepSpeedFailures, B23_MissingRankFileNamedBeforeAnyWrite) {

@@ -320,6 +320,16 @@ struct Builder {
     return files.back().get();
   }
 
+  // Two names for one file of a save (mp_rank_0 next to mp_rank_00, layer_03-model_states next to
+  // layer_03-model_00-model_states): one would silently win over the other.
+  template <typename Map, typename Key>
+  Opened* open_once(const Map& m, const Key& key, const std::string& name, const ds::FileName& fn) {
+    if (auto it = m.find(key); it != m.end())
+      fail(ErrorCode::kInvalidArgument, dir, ": two files hold ", ds::describe(fn), ": ", it->second->name, " and ", name,
+           "; remove the one that is not from this save");
+    return open(name, fn);
+  }
+
   int file_index(Opened* f) {
     if (f->index >= 0) return f->index;
     f->index = int(r->source_.files.size());
@@ -377,8 +387,8 @@ void Builder::list_and_open() {
     switch (fn.kind) {
       case ds::FileName::kOther: break;
       case ds::FileName::kMoE: moe.push_back(name); break;
-      case ds::FileName::kModel: model[fn.mp] = open(name, fn); break;
-      case ds::FileName::kZero3Model: zmodel[{fn.dp, fn.mp}] = open(name, fn); break;
+      case ds::FileName::kModel: model[fn.mp] = open_once(model, fn.mp, name, fn); break;
+      case ds::FileName::kZero3Model: zmodel[{fn.dp, fn.mp}] = open_once(zmodel, std::make_pair(fn.dp, fn.mp), name, fn); break;
       case ds::FileName::kOptim: {
         auto key = std::make_pair(fn.dp, fn.mp);
         if (optim.count(key))
@@ -387,7 +397,7 @@ void Builder::list_and_open() {
         optim[key] = open(name, fn);
         break;
       }
-      case ds::FileName::kLayer: layer[{fn.layer, fn.tp}] = open(name, fn); break;
+      case ds::FileName::kLayer: layer[{fn.layer, fn.tp}] = open_once(layer, std::make_pair(fn.layer, fn.tp), name, fn); break;
     }
   }
   if (!moe.empty())
@@ -1430,7 +1440,10 @@ std::unique_ptr<CheckpointReader> open_deepspeed(const std::string& step_dir, co
   b.model_config();
   b.build();
   b.non_tensor_state();
-  reader->maps_ = std::make_unique<io::MappedFileSet>(reader->source_.files);
+  // Mapped through the descriptors the open read the files through: a file renamed or swapped
+  // after the open is not what a load copies.
+  reader->maps_ = std::make_unique<io::MappedFileSet>(reader->source_.files,
+                                                      [r = reader.get()](size_t i) { return r->fds_[i].fd(); });
   return reader;
 }
 
