@@ -556,11 +556,11 @@ def test_rank_files_swapped_are_refused_even_where_verify_free_would_not_check(c
     r = cli("convert", ck, out, "--target", "tp=4,pp=1,dp=1,zero=1", "--verify", "free")
     assert r.returncode == 2, r.stdout + r.stderr
     line = one_line_error(r)
-    assert f"{step / 'rank_00002.safetensors'}: the file holds the buffers of rank 3" in line, line
+    assert f"{step / 'rank_00002.safetensors'}: the file holds the buffers of rank '3'" in line, line
     assert not out.exists() or not any(out.iterdir())
     v = cli("verify", ck)
     assert v.returncode == 1, v.stdout + v.stderr
-    assert "the file holds the buffers of rank 3" in v.stdout + v.stderr
+    assert "the file holds the buffers of rank '3'" in v.stdout + v.stderr
 
 
 @need_cli

@@ -404,7 +404,7 @@ TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
   ASSERT_EQ(std::filesystem::file_size(file(2)), std::filesystem::file_size(file(3)));
   swap(2, 3);
   std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
-  EXPECT_HAS(msg, file(2) + ": the file holds the buffers of rank 3");
+  EXPECT_HAS(msg, file(2) + ": the file holds the buffers of rank '3'");
   EXPECT_HAS(msg, "metadata.json puts rank 2's buffers in it: rank files were renamed, swapped");
   swap(2, 3);
   ASSERT_NO_THROW(open_checkpoint(root));
@@ -418,6 +418,21 @@ TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
   std::filesystem::rename(step + "/keep", file(1));
   ASSERT_NO_THROW(open_checkpoint(root));
 
+  // A header with a save id but no rank (the record is all or nothing), and long or multi-line
+  // values: one line, each value cut at 40 bytes.
+  {
+    std::filesystem::copy_file(file(2), step + "/keep");
+    std::string bytes = io::read_text(file(2));
+    const size_t at = bytes.find("\"rank\":\"2\",");
+    ASSERT_NE(at, std::string::npos);
+    bytes.replace(at, 11, std::string(11, ' '));
+    std::ofstream(file(2), std::ios::binary | std::ios::trunc) << bytes;
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_HAS(msg, file(2) + ": the file's safetensors header records no rank and save id '");
+    std::filesystem::rename(step + "/keep", file(2));
+  }
+  EXPECT_EQ(detail::one_line("a\nb\x1b[31m\xe2\x80\xa8" "c\xc2\x85" "d\x7f"), "a\\x0ab\\x1b[31m\\u2028c\\u0085d\\x7f");
+  EXPECT_EQ(detail::one_line("plain caf\xc3\xa9 \xe2\x80\x94 ok"), "plain caf\xc3\xa9 \xe2\x80\x94 ok");
   // Checkpoints written before the files recorded rank and save (no "save" in metadata.json, only
   // "format" in __metadata__) open and verify as before; a file that has the record next to a
   // metadata.json that has none is from another save.
@@ -524,6 +539,23 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   });
   EXPECT_HAS(msg, "does not belong in buffer weight/layers.");
   EXPECT_HAS(msg, "which holds weight values of layers.");
+  // The same for the fp32 masters, which only a flat ZeRO partition holds (its name says state
+  // and group, not tensor): flat_groups says where each tensor lies.
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+    std::swap(j["arrays"][array_index(j, qkv0, "fp32")]["tensor"], j["arrays"][array_index(j, qkv1, "fp32")]["tensor"]);
+  });
+  EXPECT_HAS(msg, "/fp32 lies at flat elements [");
+  EXPECT_HAS(msg, "of param group 0 of (pp 0, tp ");
+  EXPECT_HAS(msg, "'s entry [");
+  EXPECT_HAS(msg, "the labels in this file were edited");
+  // One rank's buffers pointed at another rank's file (session 12 tester: tp rank 1's buffers
+  // read tp rank 0's bytes, whose pieces lie on the same byte ranges and passed their checksums).
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+    for (auto& b : j["buffers"])
+      if (b["rank"] == 1) b["file"] = "rank_00000.safetensors";
+  });
+  EXPECT_HAS(msg, ".file' is rank_00000.safetensors but buffer ");
+  EXPECT_HAS(msg, " belongs to rank 1, whose data file is rank_00001.safetensors");
   // A field of the wrong type is named.
   msg = refused(ErrorCode::kDataLoss, [](json& j) { j["buffers"][2]["dtype"] = 7; });
   EXPECT_HAS(msg, "field 'buffers[2].dtype'");

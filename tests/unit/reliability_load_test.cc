@@ -242,6 +242,44 @@ TEST(ReliabilityCorrupt, FileTruncatedOrDeletedAfterOpenFailsPreflightBeforeAnyW
   }
 }
 
+// Rank files swapped after the open (session 12 tester, under mpirun: the open had checked the
+// headers, the load opened the files again by path and loaded rank 3's optimizer state as rank
+// 2's under a tp 2 -> 4 re-cut that verify="free" does not check). The pre-flight now opens the
+// handle that reads and the mapping use and checks its header against the one seen at open. Here
+// one process loads tp=1 with verify="off" (no checksum would notice) and "free".
+TEST(ReliabilityCorrupt, RankFilesSwappedAfterOpenFailPreflightBeforeAnyWrite) {
+  const ModelConfig m = model();
+  Ckpt c("swap_after_open", m, "tp=2,dp=2,zero=1");
+  const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
+  auto swap = [&] {
+    io::rename_path(c.file(2), c.file(2) + ".t");
+    io::rename_path(c.file(3), c.file(2));
+    io::rename_path(c.file(2) + ".t", c.file(3));
+  };
+  for (const char* v : {"off", "free"}) {
+    SCOPED_TRACE(v);
+    auto ck = open_checkpoint(c.root);
+    swap();
+    LoadOptions o;
+    o.verify = v;
+    Live live(t);
+    const std::string msg = expect_error(ErrorCode::kDataLoss, [&] { load_local(*ck, t, live, o); });
+    EXPECT_HAS(msg, "pre-flight check failed before any live tensor was written");
+    EXPECT_HAS(msg, c.file(2) + " is not the file this checkpoint was opened with");
+    EXPECT_TRUE(live.untouched());
+    swap();  // back
+  }
+  // Swapped back before the load: the files are the ones the open saw, and the load is exact.
+  auto ck = open_checkpoint(c.root);
+  Live a(t), b(t);
+  load_local(*ck, t, a);
+  swap();
+  swap();
+  auto again = open_checkpoint(c.root);
+  load_local(*again, t, b);
+  for (size_t i = 0; i < t.buffers.size(); ++i) ASSERT_EQ(a.mem[i], b.mem[i]) << t.buffers[i].name;
+}
+
 TEST(ReliabilityCorrupt, FlippedByteFailsTheLoadNamingFileAndPiece) {
   const ModelConfig m = model();
   Ckpt c("flip", m, "tp=1,dp=1,zero=1");

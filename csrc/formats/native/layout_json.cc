@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <tuple>
+#include <unordered_map>
 
 #include "formats/native/native_internal.h"
 #include "reshard/error.h"
@@ -560,6 +561,56 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
     }
   }
 
+  // A piece of a flat ZeRO partition lies where flat_groups puts its tensor: ZeRO-1/2, flat
+  // elements [d * P + base, + span) of the (pp, tp) shard's group inside the tensor's entry;
+  // ZeRO-3, [base, + span) inside the entry's per-rank part [offset, offset + ceil(numel / dp)).
+  // The partition's name gives its state and group but no tensor, so two same-shaped tensors'
+  // array labels swapped would otherwise load each one's master and moments as the other's.
+  {
+    const Topology& T = md.layout.topo;
+    const auto& fg = md.layout.flat_groups;
+    std::unordered_map<std::string, int> tensor_id;
+    for (const LogicalArray& a : md.layout.arrays) tensor_id.emplace(a.tensor, int(tensor_id.size()));
+    std::vector<int> array_tensor(md.layout.arrays.size());
+    for (size_t i = 0; i < md.layout.arrays.size(); ++i) array_tensor[i] = tensor_id.at(md.layout.arrays[i].tensor);
+    std::map<std::pair<size_t, int>, std::vector<int>> entry_of;  // (shard, group) -> per tensor id: entry or -1
+    for (size_t i = 0; i < md.layout.pieces.size(); ++i) {
+      const Piece& p = md.layout.pieces[i];
+      const Buffer& buf = md.layout.buffers[size_t(p.buffer)];
+      if (buf.group < 0) continue;
+      const int d = T.dp_rank(buf.rank);
+      const size_t shard = size_t(T.pp_rank(buf.rank)) * size_t(T.tp) + size_t(T.tp_rank(buf.rank));
+      const std::string where = "param group " + std::to_string(buf.group) + " of (pp " +
+                                std::to_string(T.pp_rank(buf.rank)) + ", tp " + std::to_string(T.tp_rank(buf.rank)) + ")";
+      if (shard >= fg.size() || size_t(buf.group) >= fg[shard].size())
+        fail(ErrorCode::kDataLoss, path, ": field 'buffers[", p.buffer, "]': buffer ", escape_controls(buf.name),
+             " (rank ", buf.rank, ") is a flat partition of ", where, ", which 'flat_groups' does not have");
+      const FlatGroup& g = fg[shard][size_t(buf.group)];
+      auto [it, fresh] = entry_of.try_emplace({shard, buf.group});
+      if (fresh) {
+        it->second.assign(tensor_id.size(), -1);
+        for (size_t k = 0; k < g.entries.size(); ++k)
+          if (auto t = tensor_id.find(g.entries[k].tensor); t != tensor_id.end()) it->second[size_t(t->second)] = int(k);
+      }
+      const LogicalArray& a = md.layout.arrays[size_t(p.array)];
+      const int k = it->second[size_t(array_tensor[size_t(p.array)])];
+      if (k < 0)
+        fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()),
+             " is in buffer ", escape_controls(buf.name), " (rank ", buf.rank, "), but 'flat_groups' does not put tensor ",
+             escape_controls(a.tensor), " in ", where, "; the labels in this file were edited");
+      const FlatGroup::Entry& e = g.entries[size_t(k)];
+      const int64_t span = piece_span(p);
+      const bool z3 = T.zero == 3;
+      const __int128 lo = z3 ? __int128(p.base) : __int128(d) * g.partition_size + p.base;
+      const __int128 e_lo = e.offset, e_hi = z3 ? __int128(e.offset) + (e.numel + T.dp - 1) / T.dp : __int128(e.offset) + e.numel;
+      if (span > 0 && (lo < e_lo || lo + span > e_hi))
+        fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()), " lies at ",
+             z3 ? "elements [" : "flat elements [", int64_t(lo), ", ", int64_t(lo + span), ") of ", where,
+             z3 ? " in rank " + std::to_string(buf.rank) + "'s partition" : std::string(), ", outside tensor ",
+             escape_controls(a.tensor), "'s entry [", int64_t(e_lo), ", ", int64_t(e_hi),
+             ") in 'flat_groups'; the labels in this file were edited (a load would put one tensor's values in another)");
+    }
+  }
   // Data files: plain names inside the step folder only, each listed once.
   std::map<std::string, int> file_index;
   const std::vector<Field> files = root["files"].items();
@@ -582,6 +633,13 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
     auto it = file_index.find(name);
     if (it == file_index.end())
       fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "].file' names ", name, ", which 'files' does not list");
+    // A rank's buffers live in that rank's file (the writer's rule, format.md §2): a buffer
+    // pointed at another rank's file would read that rank's bytes, under checksums of the same
+    // byte ranges.
+    const Buffer& buf = md.layout.buffers[b];
+    if (name != rank_file_name(buf.rank))
+      fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "].file' is ", name, " but buffer ", escape_controls(buf.name),
+           " belongs to rank ", buf.rank, ", whose data file is ", rank_file_name(buf.rank));
     md.buffer_file.push_back(it->second);
   }
   return md;

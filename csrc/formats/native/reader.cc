@@ -28,7 +28,8 @@ class NativeReader final : public CheckpointReader {
  public:
   NativeReader(const std::string& step_dir, std::vector<std::string> notes) : dir_(step_dir), notes_(std::move(notes)) {
     load();
-    maps_ = std::make_unique<io::MappedFileSet>(src_.files);
+    // Mapped through the handle reads use, which was checked against the header seen at open.
+    maps_ = std::make_unique<io::MappedFileSet>(src_.files, [this](size_t i) { return handle(int32_t(i)).fd(); });
   }
 
   std::string writer() const override { return "native"; }
@@ -57,7 +58,7 @@ class NativeReader final : public CheckpointReader {
       fail(ErrorCode::kInvalidArgument, "file_size: file index ", file, " out of range (", src_.files.size(),
            " files) in ", dir_);
     if (missing_[file]) fail(ErrorCode::kNotFound, "data file ", src_.files[file], " is missing");
-    return io::file_size(src_.files[file]);
+    return handle(file).size();  // the pre-flight: opens (and checks) the handle reads use
   }
 
   bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const override {
@@ -117,31 +118,59 @@ class NativeReader final : public CheckpointReader {
   const io::File& handle(int32_t file) const {
     std::lock_guard<std::mutex> lock(mu_);
     auto& h = handles_[file];
-    if (!h) h = std::make_unique<io::File>(io::File::open_read(src_.files[file]));
+    if (!h) {
+      // Data files are opened by path when first read, after the open checked their headers. A
+      // file renamed or swapped since then (another rank's file, another save's) is refused here,
+      // in the load's pre-flight (file_size), before any write; later reads and the mapping use
+      // this handle, so the file checked is the file read.
+      auto f = std::make_unique<io::File>(io::File::open_read(src_.files[file]));
+      const uint64_t n = header_len_[size_t(file)];
+      std::string head(size_t(n), '\0');
+      bool same = f->size() >= n;
+      if (same) {
+        f->pread(0, n, head.data());
+        same = XXH3_64bits(head.data(), head.size()) == header_hash_[size_t(file)];
+      }
+      if (!same)
+        fail(ErrorCode::kDataLoss, src_.files[file], " is not the file this checkpoint was opened with: its safetensors "
+             "header changed since the open (the file was replaced, renamed or swapped); open the checkpoint again");
+      h = std::move(f);
+    }
     return *h;
   }
 
   // The writer records each file's rank and the save's id in the file's __metadata__ and the id in
   // metadata.json (format.md §2-§3). Two rank files swapped, or one copied in from another save,
   // keep their own checksums and shapes: pieces a load cuts between ranks are not checked by
-  // verify="free", and would load another rank's or another save's values. Files without the
-  // fields (written before they were recorded) are not compared.
+  // verify="free", and would load another rank's or another save's values. The record is all or
+  // nothing: files written before it existed (no `rank`, no `save`, and no `save` in metadata.json)
+  // are not compared; any part of it present makes every part required.
+  // N of rank_N.safetensors (parse_metadata allows only such names); -1 past 9 digits.
+  static int rank_in_file_name(const std::string& name) {
+    const std::string digits = name.substr(5, name.size() - 5 - 12);
+    return digits.size() > 9 ? -1 : std::stoi(digits);
+  }
+  static std::string shown(const std::string& v) {
+    return "'" + escape_controls(v.size() > 40 ? v.substr(0, 40) : v) + "'" +
+           (v.size() > 40 ? " (" + std::to_string(v.size()) + " bytes, cut)" : std::string());
+  }
   void check_identity(const std::string& path, const std::map<std::string, std::string>& meta, const std::string& save,
-                      const std::vector<int>& buffers) const {
-    auto rank_it = meta.find("rank");
-    if (rank_it != meta.end() && !buffers.empty()) {
-      const int want = src_.layout.buffers[buffers.front()].rank;
-      if (rank_it->second != std::to_string(want))
-        fail(ErrorCode::kDataLoss, path, ": the file holds the buffers of rank ", escape_controls(rank_it->second),
-             " (its safetensors header's __metadata__ says so), but ", kMetadataFile, " puts rank ", want,
-             "'s buffers in it: rank files were renamed, swapped or copied over one another after the save");
-    }
-    auto save_it = meta.find("save");
-    const std::string file_save = save_it == meta.end() ? std::string() : save_it->second;
-    if ((!save.empty() || !file_save.empty()) && file_save != save)
+                      int file_rank) const {
+    auto rank_it = meta.find("rank"), save_it = meta.find("save");
+    if (rank_it == meta.end() && save_it == meta.end() && save.empty()) return;
+    if (rank_it == meta.end() || save_it == meta.end())
+      fail(ErrorCode::kDataLoss, path, ": the file's safetensors header records ",
+           rank_it == meta.end() ? "no rank" : "rank " + shown(rank_it->second), " and ",
+           save_it == meta.end() ? "no save id" : "save id " + shown(save_it->second), " (", kMetadataFile,
+           save.empty() ? " has no save id" : " has save id " + shown(save),
+           "); reshard's writer records both in every file of a save: the file was edited, or comes from another save");
+    if (rank_it->second != std::to_string(file_rank))
+      fail(ErrorCode::kDataLoss, path, ": the file holds the buffers of rank ", shown(rank_it->second),
+           " (its safetensors header's __metadata__ says so), but ", kMetadataFile, " puts rank ", file_rank,
+           "'s buffers in it: rank files were renamed, swapped or copied over one another after the save");
+    if (save_it->second != save)
       fail(ErrorCode::kDataLoss, path, ": the file was written by another save than ", kMetadataFile, " (save id ",
-           file_save.empty() ? "none" : "'" + escape_controls(file_save) + "'", " in the file's header, ",
-           save.empty() ? "none" : "'" + escape_controls(save) + "'", " in ", kMetadataFile,
+           shown(save_it->second), " in the file's header, ", save.empty() ? "none" : shown(save), " in ", kMetadataFile,
            "): a rank file was copied in from another checkpoint, or the folder mixes two saves");
   }
 
@@ -165,6 +194,8 @@ class NativeReader final : public CheckpointReader {
     }
     const size_t nfiles = src_.files.size();
     missing_.assign(nfiles, false);
+    header_len_.assign(nfiles, 0);
+    header_hash_.assign(nfiles, 0);
     handles_.resize(nfiles);
     std::vector<std::vector<int>> buffers_of_file(nfiles);
     for (size_t b = 0; b < md.buffer_file.size(); ++b) buffers_of_file[size_t(md.buffer_file[b])].push_back(int(b));
@@ -199,8 +230,14 @@ class NativeReader final : public CheckpointReader {
       const uint64_t n = safetensors::parse_header_size(prefix, size, path);
       std::string htext(size_t(n), '\0');
       fh.pread(8, n, htext.data());
+      {
+        std::string head(reinterpret_cast<const char*>(prefix), 8);
+        head += htext;
+        header_len_[f] = head.size();
+        header_hash_[f] = XXH3_64bits(head.data(), head.size());
+      }
       safetensors::Header h = safetensors::parse_header(htext, path);
-      check_identity(path, h.metadata, md.save, buffers_of_file[f]);
+      check_identity(path, h.metadata, md.save, rank_in_file_name(md.files[f].first));
       for (int b : buffers_of_file[f]) {
         const Buffer& buf = src_.layout.buffers[b];
         auto it = h.tensors.find(buf.name);
@@ -239,6 +276,8 @@ class NativeReader final : public CheckpointReader {
 
   std::string dir_;
   std::string fingerprint_;  // xxh3-64 of metadata.json, hex
+  // Per data file: bytes of its 8-byte length and safetensors header at open, and their xxh3-64.
+  std::vector<uint64_t> header_len_, header_hash_;
   std::vector<std::string> notes_;
   SourceLayout src_;
   NonTensorState state_;
