@@ -529,12 +529,13 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
     const Piece& p = md.layout.pieces[i];
     const LogicalArray& a = md.layout.arrays[size_t(p.array)];
     const Buffer& buf = md.layout.buffers[size_t(p.buffer)];
-    const std::string buf_tensor = buf.group >= 0 ? std::string() : buf.name.substr(buf.name.find('/') + 1);
-    if (a.state != buf.state || (buf.group < 0 && a.tensor != buf_tensor))
+    const std::string_view buf_tensor =
+        buf.group >= 0 ? std::string_view() : std::string_view(buf.name).substr(buf.name.find('/') + 1);
+    if (a.state != buf.state || (buf.group < 0 && std::string_view(a.tensor) != buf_tensor))
       fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()),
            " does not belong in buffer ", escape_controls(buf.name), " (rank ", buf.rank, "), which holds ",
            buf.group >= 0 ? std::string(state_kind_name(buf.state)) + " values of param group " + std::to_string(buf.group)
-                          : std::string(state_kind_name(buf.state)) + " values of " + escape_controls(buf_tensor),
+                          : std::string(state_kind_name(buf.state)) + " values of " + escape_controls(std::string(buf_tensor)),
            "; the labels in this file were edited (a load would put one array's values in another)");
   }
   // Pieces of one buffer never share an element: two pieces over the same bytes would load one
@@ -580,11 +581,13 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
       if (buf.group < 0) continue;
       const int d = T.dp_rank(buf.rank);
       const size_t shard = size_t(T.pp_rank(buf.rank)) * size_t(T.tp) + size_t(T.tp_rank(buf.rank));
-      const std::string where = "param group " + std::to_string(buf.group) + " of (pp " +
-                                std::to_string(T.pp_rank(buf.rank)) + ", tp " + std::to_string(T.tp_rank(buf.rank)) + ")";
+      auto where = [&] {
+        return "param group " + std::to_string(buf.group) + " of (pp " + std::to_string(T.pp_rank(buf.rank)) + ", tp " +
+               std::to_string(T.tp_rank(buf.rank)) + ")";
+      };
       if (shard >= fg.size() || size_t(buf.group) >= fg[shard].size())
         fail(ErrorCode::kDataLoss, path, ": field 'buffers[", p.buffer, "]': buffer ", escape_controls(buf.name),
-             " (rank ", buf.rank, ") is a flat partition of ", where, ", which 'flat_groups' does not have");
+             " (rank ", buf.rank, ") is a flat partition of ", where(), ", which 'flat_groups' does not have");
       const FlatGroup& g = fg[shard][size_t(buf.group)];
       auto [it, fresh] = entry_of.try_emplace({shard, buf.group});
       if (fresh) {
@@ -597,7 +600,7 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
       if (k < 0)
         fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()),
              " is in buffer ", escape_controls(buf.name), " (rank ", buf.rank, "), but 'flat_groups' does not put tensor ",
-             escape_controls(a.tensor), " in ", where, "; the labels in this file were edited");
+             escape_controls(a.tensor), " in ", where(), "; the labels in this file were edited");
       const FlatGroup::Entry& e = g.entries[size_t(k)];
       const int64_t span = piece_span(p);
       const bool z3 = T.zero == 3;
@@ -605,7 +608,7 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
       const __int128 e_lo = e.offset, e_hi = z3 ? __int128(e.offset) + (e.numel + T.dp - 1) / T.dp : __int128(e.offset) + e.numel;
       if (span > 0 && (lo < e_lo || lo + span > e_hi))
         fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()), " lies at ",
-             z3 ? "elements [" : "flat elements [", int64_t(lo), ", ", int64_t(lo + span), ") of ", where,
+             z3 ? "elements [" : "flat elements [", int64_t(lo), ", ", int64_t(lo + span), ") of ", where(),
              z3 ? " in rank " + std::to_string(buf.rank) + "'s partition" : std::string(), ", outside tensor ",
              escape_controls(a.tensor), "'s entry [", int64_t(e_lo), ", ", int64_t(e_hi),
              ") in 'flat_groups'; the labels in this file were edited (a load would put one tensor's values in another)");
