@@ -161,6 +161,12 @@ uint64_t File::size() const {
   return uint64_t(st.st_size);
 }
 
+File::Stamp File::stamp() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) fail_errno(errno, "cannot stat " + path_);
+  return {uint64_t(st.st_size), int64_t(st.st_mtim.tv_sec) * 1000000000 + int64_t(st.st_mtim.tv_nsec)};
+}
+
 void File::pread(uint64_t offset, uint64_t length, void* dst) const {
   char* p = static_cast<char*>(dst);
   uint64_t done = 0;

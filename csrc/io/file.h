@@ -41,6 +41,13 @@ class File {
   /// The descriptor (-1 when closed); it stays owned by this File.
   int fd() const { return fd_; }
   uint64_t size() const;
+  /// Size and last modification (ns since the epoch) of the open file (fstat).
+  struct Stamp {
+    uint64_t size = 0;
+    int64_t mtime_ns = 0;
+    bool operator==(const Stamp& o) const { return size == o.size && mtime_ns == o.mtime_ns; }
+  };
+  Stamp stamp() const;
   /// Reads exactly `length` bytes at `offset`; Error(kDataLoss) naming the range on a short read.
   /// Thread-safe (pread).
   void pread(uint64_t offset, uint64_t length, void* dst) const;

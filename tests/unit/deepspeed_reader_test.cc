@@ -9,6 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <chrono>
+#include <thread>
 #include <iterator>
 #include <functional>
 #include <regex>
@@ -755,6 +757,25 @@ TEST(DeepSpeedFailures, FilesSwappedAfterOpenAreNotWhatALoadReads) {
   const auto got = load_all(*reader);
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(got[i], ref[i]) << "buffer " << i;
+  // Overwritten in place instead (`cp B A` keeps A's inode, so the descriptor sees B's bytes;
+  // session 12 tester: a default load took the other rank's values): the pre-flight compares the
+  // file's size and modification time with the open's and refuses before any write. (File times
+  // tick at the kernel's clock, a few ms: the overwrite here waits past one tick.)
+  fs::rename(a, step + "/swap.tmp");  // names back as saved
+  fs::rename(b, a);
+  fs::rename(step + "/swap.tmp", b);
+  auto again = open_checkpoint(step);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  fs::copy_file(b, a, fs::copy_options::overwrite_existing);
+  try {
+    load_all(*again);
+    ADD_FAILURE() << "a file overwritten after the open was loaded";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
+    EXPECT_NE(m.find("pre-flight check failed before any live tensor was written"), std::string::npos) << m;
+    EXPECT_NE(m.find(a + " changed since the checkpoint was opened"), std::string::npos) << m;
+  }
   fs::remove_all(fs::path(step).parent_path());
 }
 

@@ -13,6 +13,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "formats/native/layout_json.h"
 #include "formats/safetensors/safetensors.h"
 #include "io/file.h"
 #include "reshard/consolidate.h"
@@ -428,7 +429,7 @@ TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
     bytes.replace(at, 11, std::string(11, ' '));
     std::ofstream(file(2), std::ios::binary | std::ios::trunc) << bytes;
     msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
-    EXPECT_HAS(msg, file(2) + ": the file's safetensors header records no rank and save id '");
+    EXPECT_HAS(msg, file(2) + ": the file's safetensors header records no rank, save id '");
     std::filesystem::rename(step + "/keep", file(2));
   }
   EXPECT_EQ(detail::one_line("a\nb\x1b[31m\xe2\x80\xa8" "c\xc2\x85" "d\x7f"), "a\\x0ab\\x1b[31m\\u2028c\\u0085d\\x7f");
@@ -440,13 +441,14 @@ TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
   json j = json::parse(io::read_text(meta));
   ASSERT_TRUE(j.contains("save"));
   const std::string save = j["save"];
+  const std::string layout = native::layout_digest(open_checkpoint(root)->source().layout);
   j.erase("save");
   store_json(meta, j);
   msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
   EXPECT_HAS(msg, "(save id '" + save + "' in the file's header, none in metadata.json)");
   for (int r = 0; r < 4; ++r) {
     std::string bytes = io::read_text(file(r));
-    const std::string rec = ",\"rank\":\"" + std::to_string(r) + "\",\"save\":\"" + save + "\"";
+    const std::string rec = ",\"layout\":\"" + layout + "\",\"rank\":\"" + std::to_string(r) + "\",\"save\":\"" + save + "\"";
     const size_t at = bytes.find(rec);
     ASSERT_NE(at, std::string::npos) << file(r);
     ASSERT_LT(at, 200u) << "the record is in the header's __metadata__";
@@ -556,6 +558,40 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   });
   EXPECT_HAS(msg, ".file' is rank_00000.safetensors but buffer ");
   EXPECT_HAS(msg, " belongs to rank 1, whose data file is rank_00001.safetensors");
+  // Geometry edited with every checksum kept (session 12 tester): the `off` of two tp ranks'
+  // pieces of one weight swapped loads the two halves swapped, and every label still agrees. The
+  // layout digest each data file records (format.md §2) says metadata.json changed.
+  msg = refused(ErrorCode::kDataLoss, [&](json& j) {
+    const size_t w = array_index(j, "layers.0.mlp.dense_4h_to_h.weight", "weight");
+    std::vector<size_t> ps;
+    for (size_t k = 0; k < j["pieces"].size(); ++k)
+      if (j["pieces"][k]["array"] == w) ps.push_back(k);
+    ASSERT_EQ(ps.size(), 2u);
+    ASSERT_NE(j["pieces"][ps[0]]["off"], j["pieces"][ps[1]]["off"]);
+    ASSERT_EQ(j["pieces"][ps[0]]["len"], j["pieces"][ps[1]]["len"]);
+    std::swap(j["pieces"][ps[0]]["off"], j["pieces"][ps[1]]["off"]);
+  });
+  EXPECT_HAS(msg, "metadata.json of ");
+  EXPECT_HAS(msg, "does not describe the layout its data files were saved with (layout digest '");
+  EXPECT_HAS(msg, "was edited or damaged after the save");
+  // A square piece's strides swapped: the same bytes read transposed.
+  {
+    const std::string root1 = testing::make_temp_dir("native_transpose_");
+    synth_checkpoint(root1, m, Topology::parse("tp=1,dp=1,zero=0"), 5);
+    const std::string meta1 = io::join(root1, "step-1/metadata.json");
+    json j = load_json(meta1);
+    bool done = false;
+    for (auto& p : j["pieces"])
+      if (!done && p["len"].size() == 2 && p["len"][0] == p["len"][1] && p["len"][0].get<int64_t>() > 1) {
+        std::swap(p["strides"][0], p["strides"][1]);
+        done = true;
+      }
+    ASSERT_TRUE(done) << "no square 2-D piece";
+    store_json(meta1, j);
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root1); });
+    EXPECT_HAS(msg, "does not describe the layout its data files were saved with");
+    io::remove_all(root1);
+  }
   // A field of the wrong type is named.
   msg = refused(ErrorCode::kDataLoss, [](json& j) { j["buffers"][2]["dtype"] = 7; });
   EXPECT_HAS(msg, "field 'buffers[2].dtype'");

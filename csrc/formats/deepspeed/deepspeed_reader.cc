@@ -199,7 +199,16 @@ class DeepSpeedReader final : public CheckpointReader {
   uint64_t file_size(int32_t file) const override {
     if (file < 0 || size_t(file) >= fds_.size())
       fail(ErrorCode::kNotFound, "DeepSpeed checkpoint ", dir_, ": no file with index ", file);
-    return io::file_size(source_.files[file]);
+    // The file the open read (its descriptor), not whatever the path names now; and unchanged
+    // since then: a file overwritten in place after the open (`cp B A` keeps A's inode) would
+    // hand the load another rank's bytes, which verify="free" checks only where a read covers a
+    // whole record. The load's pre-flight calls this for every file it reads.
+    const io::File::Stamp now = fds_[file].stamp();
+    if (!(now == stamps_[file]))
+      fail(ErrorCode::kDataLoss, source_.files[file], " changed since the checkpoint was opened (",
+           stamps_[file].size, " -> ", now.size, " bytes, modified ", (now.mtime_ns - stamps_[file].mtime_ns) / 1e9,
+           " s later); open the checkpoint again");
+    return now.size;
   }
   // DeepSpeed files carry no checksums of their own; a read that covers a whole storage record
   // is checked against the zip CRC-32 of that record.
@@ -244,6 +253,7 @@ class DeepSpeedReader final : public CheckpointReader {
   NonTensorState state_;
   std::vector<std::string> notes_;
   std::vector<io::File> fds_;
+  std::vector<io::File::Stamp> stamps_;  // per file, when the open read it
   std::vector<std::map<uint64_t, std::pair<uint64_t, uint32_t>>> records_;  // offset -> (length, crc)
   std::string missing_;  // missing files, comma-separated
   // Made once the file list is final; each file is mapped on its first use (MappedFileSet::get).
@@ -335,6 +345,7 @@ struct Builder {
     f->index = int(r->source_.files.size());
     r->source_.files.push_back(f->path);
     r->fds_.push_back(io::File::open_read(f->path));
+    r->stamps_.push_back(r->fds_.back().stamp());
     std::map<uint64_t, std::pair<uint64_t, uint32_t>> recs;
     for (const auto& [key, rec] : f->ar.storages) {
       const std::string entry = f->ar.prefix + "/data/" + key;

@@ -1,6 +1,9 @@
 #include "formats/native/layout_json.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <tuple>
 #include <unordered_map>
@@ -320,6 +323,65 @@ json layout_to_json(const Layout& L, const std::vector<std::string>& buffer_file
   return {{"topology", L.topo.to_string()}, {"model", model_to_json(L.model)}, {"tensors", tensors},
           {"arrays", arrays},               {"buffers", buffers},               {"pieces", pieces},
           {"flat_groups", groups}};
+}
+
+std::string layout_digest(const Layout& L) {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  auto i64 = [&](int64_t v) { XXH3_64bits_update(st, &v, sizeof v); };
+  auto str = [&](const std::string& v) {
+    i64(int64_t(v.size()));
+    XXH3_64bits_update(st, v.data(), v.size());
+  };
+  str(L.topo.to_string());
+  str(model_to_json(L.model).dump());
+  i64(int64_t(L.tensors.size()));
+  for (const TensorSpec& t : L.tensors) {
+    str(t.name);
+    i64(int64_t(t.shape.size()));
+    for (int64_t d : t.shape) i64(d);
+    for (int64_t v : {int64_t(t.split), int64_t(t.reduction), int64_t(t.owner), int64_t(t.layer),
+                      int64_t(t.no_weight_decay), t.real_rows})
+      i64(v);
+  }
+  i64(int64_t(L.arrays.size()));
+  for (const LogicalArray& a : L.arrays) {
+    str(a.tensor);
+    for (int64_t v : {int64_t(a.state), int64_t(a.ndim), a.real_rows, int64_t(a.reduction)}) i64(v);
+    for (int d = 0; d < a.ndim; ++d) i64(a.shape[d]);
+  }
+  i64(int64_t(L.buffers.size()));
+  for (const Buffer& b : L.buffers) {
+    str(b.name);
+    for (int64_t v : {int64_t(b.rank), int64_t(b.dtype), b.numel, int64_t(b.state), int64_t(b.group)}) i64(v);
+  }
+  i64(int64_t(L.pieces.size()));
+  for (const Piece& p : L.pieces) {
+    for (int64_t v : {int64_t(p.array), int64_t(p.buffer), int64_t(p.box.ndim), p.base}) i64(v);
+    for (int d = 0; d < p.box.ndim; ++d) {
+      i64(p.box.off[d]);
+      i64(p.box.len[d]);
+      i64(p.strides[d]);
+    }
+  }
+  i64(int64_t(L.flat_groups.size()));
+  for (const auto& shard : L.flat_groups) {
+    i64(int64_t(shard.size()));
+    for (const FlatGroup& g : shard) {
+      i64(int64_t(g.entries.size()));
+      for (const auto& e : g.entries) {
+        str(e.tensor);
+        i64(e.offset);
+        i64(e.numel);
+      }
+      for (int64_t v : {g.numel, g.partition_size, int64_t(g.no_weight_decay)}) i64(v);
+    }
+  }
+  const uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)h);
+  return hex;
 }
 
 Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_files, std::vector<std::string>* checksums) {

@@ -77,6 +77,14 @@ json layout_to_json(const Layout& L, const std::vector<std::string>& buffer_file
 /// checksum ("" when absent).
 Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_files, std::vector<std::string>* checksums);
 
+/// A digest of everything a layout says (topology, model, tensors, arrays, buffers, every piece's
+/// box, base and strides, flat groups) as 16 lowercase hex digits of xxh3-64 over a fixed binary
+/// form; the model enters as its metadata JSON text. The writer records it in every data file's
+/// __metadata__ (`layout`), the reader recomputes it from the parsed metadata.json and refuses a
+/// difference: an edit of metadata.json (a piece's strides or offsets, consistently swapped labels)
+/// keeps every stored checksum valid, and only this says the file was changed (format.md §2).
+std::string layout_digest(const Layout& L);
+
 json state_to_json(const NonTensorState& s);
 NonTensorState state_from_json(const Field& f);
 

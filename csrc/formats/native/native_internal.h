@@ -49,9 +49,11 @@ struct RankFileResult {
 };
 /// Writes and fsyncs dir/rank_<rank>.safetensors holding `rank`'s buffers (ptr(b) gives the bytes
 /// of buffer b), ordered by decreasing dtype size then layout order; checksums every piece. The
-/// header's __metadata__ records the file's rank and `save` (the save's id, also in metadata.json),
-/// so a file renamed, swapped or copied in from another save is refused at open (format.md §2).
+/// header's __metadata__ records the file's rank, `save` (the save's id, also in metadata.json) and
+/// `layout` (layout_digest(L)), so a file renamed, swapped or copied in from another save, and a
+/// metadata.json edited after the save, are refused at open (format.md §2).
 RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank, const std::string& save,
+                               const std::string& layout_digest,
                                const std::vector<std::vector<int>>& by_buffer,
                                const std::function<const void*(int buffer)>& ptr);
 

@@ -84,6 +84,7 @@ std::vector<std::vector<int>> pieces_by_buffer(const Layout& L) {
 }
 
 RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank, const std::string& save,
+                               const std::string& layout_digest,
                                const std::vector<std::vector<int>>& by_buffer,
                                const std::function<const void*(int buffer)>& ptr) {
   std::vector<int> mine;
@@ -98,7 +99,8 @@ RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank
   for (int b : mine) tensors.push_back({L.buffers[b].name, L.buffers[b].dtype, {L.buffers[b].numel}});
   std::vector<std::pair<uint64_t, uint64_t>> offsets;
   const std::string header = safetensors::build_header(
-      tensors, {{"format", "reshard"}, {"rank", std::to_string(rank)}, {"save", save}}, &offsets);
+      tensors, {{"format", "reshard"}, {"rank", std::to_string(rank)}, {"save", save}, {"layout", layout_digest}},
+      &offsets);
 
   RankFileResult res;
   const std::string path = io::join(dir, rank_file_name(rank));
@@ -253,6 +255,7 @@ void save_all_ranks_with(const std::string& root, const std::string& step, const
   check_step_name(step);
   io::make_dirs(root);
   const std::string nonce = make_nonce();
+  const std::string digest = layout_digest(L);
   const std::string tmpdir = io::join(root, ".tmp-" + step + "-" + nonce);
   io::make_dirs(tmpdir);
   try {
@@ -265,7 +268,7 @@ void save_all_ranks_with(const std::string& root, const std::string& step, const
       if (ptrs.size() != L.buffers.size())
         fail(ErrorCode::kInvalidArgument, "save: ", ptrs.size(), " buffer pointers for a layout of ", L.buffers.size(),
              " buffers");
-      RankFileResult res = write_rank_file(tmpdir, L, r, nonce, by_buffer, [&](int b) { return ptrs[b]; });
+      RankFileResult res = write_rank_file(tmpdir, L, r, nonce, digest, by_buffer, [&](int b) { return ptrs[b]; });
       bytes[r] = res.bytes;
       for (auto& [p, h] : res.checksums) checksums[p] = std::move(h);
     }
@@ -330,6 +333,7 @@ void save_native(const std::string& root, const std::string& step, const Layout&
         }),
         what);
   const std::string nonce = comm.all_gather_strings(rank == 0 ? make_nonce() : std::string()).at(0);
+  const std::string digest = layout_digest(L);
 
   // (1) Same filesystem: every rank must see every rank's token.
   auto token = [&](int r) { return io::join(root, ".reshard-fscheck-" + nonce + "-" + std::to_string(r)); };
@@ -361,7 +365,7 @@ void save_native(const std::string& root, const std::string& step, const Layout&
   const auto by_buffer = pieces_by_buffer(L);
   RankFileResult mine;
   std::string err = try_local([&] {
-    mine = write_rank_file(tmpdir, L, rank, nonce, by_buffer, [&](int b) { return buffers[b]; });
+    mine = write_rank_file(tmpdir, L, rank, nonce, digest, by_buffer, [&](int b) { return buffers[b]; });
   });
   std::ostringstream report;
   if (err.empty()) {
