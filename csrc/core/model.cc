@@ -1,5 +1,7 @@
 #include "reshard/model.h"
 
+#include <cmath>
+
 #include <regex>
 
 #include "reshard/error.h"
@@ -71,6 +73,14 @@ void ModelConfig::validate() const {
   if (norm != "layernorm" && norm != "rmsnorm")
     fail(ErrorCode::kInvalidArgument, "model '", name, "': field norm='", norm,
          "' must be layernorm or rmsnorm");
+  // Values a checkpoint's metadata could not hold (JSON has no NaN or infinity; a negative count
+  // is refused when read back): a save would write a step that no open accepts.
+  if (max_position_embeddings < 0)
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': field max_position_embeddings=", max_position_embeddings,
+         " must be >= 0 (0: no position embeddings)");
+  if (!std::isfinite(qkv_version) || qkv_version < 0)
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': field qkv_version=", qkv_version,
+         " must be a finite number >= 0 (Megatron's checkpoint_version)");
   if (qkv_version < 2.0 && groups() != heads)
     fail(ErrorCode::kInvalidArgument, "model '", name, "': qkv_version=", qkv_version,
          " (rows [3,np,hn] or [np,hn,3]) exists only for multi-head attention, but query_groups=",

@@ -577,6 +577,39 @@ TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// A collective save whose ranks were given different layouts (here rank 1's model is named
+// differently): rank 0 writes metadata.json from its own layout and every rank records its own
+// layout's digest, so the step would never open (session 12 tester: the save returned on every
+// rank, the open then blamed an edit). Refused on every rank before anything is written.
+TEST(MpiLoad, ACollectiveSaveOfDifferentLayoutsFailsEveryRank) {
+  Communicator& comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::string dir = shared_dir();
+  ModelConfig m = gqa_model();
+  if (comm.rank() == 1) m.name += "-r1";
+  const Layout L = derive_layout(m, Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
+  std::vector<std::vector<uint8_t>> mem(L.buffers.size());
+  std::vector<const void*> ptrs(L.buffers.size(), nullptr);
+  for (size_t b = 0; b < L.buffers.size(); ++b)
+    if (L.buffers[b].rank == comm.rank()) {
+      mem[b].assign(size_t(L.buffers[b].numel) * dtype_size(L.buffers[b].dtype), 1);
+      ptrs[b] = mem[b].data();
+    }
+  try {
+    save_native(dir + "/ckpt", "step-1", L, ptrs, NonTensorState{}, comm);
+    ADD_FAILURE() << "ranks with different layouts saved";
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << w;
+    EXPECT_NE(w.find("the ranks were given different layouts to save (rank(s) 1"), std::string::npos) << w;
+  }
+  comm.barrier();
+  EXPECT_FALSE(std::filesystem::exists(dir + "/ckpt/step-1"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/ckpt/latest"));
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
   // A piece's checksum may be checked in the read step (before the exchange) or in the copy step
   // (slab by slab as it is copied out of the file mapping); either way every rank must fail, with the

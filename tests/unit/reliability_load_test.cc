@@ -404,6 +404,29 @@ TEST(ReliabilityCorrupt, MetadataWithOverflowingNumbersIsDataLoss) {
   EXPECT_HAS(msg, "field 'arrays[0].shape': the shape has 2^63 elements or more");
 }
 
+// A model config that a checkpoint's metadata.json cannot hold (JSON has no NaN; a negative count
+// is refused when read back): session 12 tester, synth wrote steps that no open accepted.
+TEST(ReliabilityModel, ValuesMetadataCannotHoldAreRefusedAtValidation) {
+  for (double v : {std::nan(""), double(INFINITY), -1.0}) {
+    ModelConfig m = model();
+    m.query_groups = m.heads;  // qkv_version < 2 needs multi-head attention
+    m.qkv_version = v;
+    const std::string msg = expect_error(ErrorCode::kInvalidArgument, [&] { m.validate(); });
+    EXPECT_HAS(msg, "field qkv_version=");
+    EXPECT_HAS(msg, "must be a finite number >= 0");
+  }
+  ModelConfig m = model();
+  m.max_position_embeddings = -5;
+  const std::string msg = expect_error(ErrorCode::kInvalidArgument, [&] { m.validate(); });
+  EXPECT_HAS(msg, "field max_position_embeddings=-5 must be >= 0");
+  // And what a checkpoint holds round-trips: 0 position embeddings, qkv_version 0.
+  ModelConfig ok = model();
+  ok.query_groups = ok.heads;
+  ok.max_position_embeddings = 0;
+  ok.qkv_version = 0.0;
+  EXPECT_NO_THROW(ok.validate());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Topologies that cannot hold the model; world size mismatch.
 

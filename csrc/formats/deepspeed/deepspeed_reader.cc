@@ -206,8 +206,10 @@ class DeepSpeedReader final : public CheckpointReader {
     const io::File::Stamp now = fds_[file].stamp();
     if (!(now == stamps_[file]))
       fail(ErrorCode::kDataLoss, source_.files[file], " changed since the checkpoint was opened (",
-           stamps_[file].size, " -> ", now.size, " bytes, modified ", (now.mtime_ns - stamps_[file].mtime_ns) / 1e9,
-           " s later); open the checkpoint again");
+           now.size == stamps_[file].size ? std::to_string(now.size) + " bytes"
+                                          : std::to_string(stamps_[file].size) + " -> " + std::to_string(now.size) + " bytes",
+           now.mtime_ns == stamps_[file].mtime_ns ? std::string() : ", another modification time",
+           "); open the checkpoint again");
     return now.size;
   }
   // DeepSpeed files carry no checksums of their own; a read that covers a whole storage record

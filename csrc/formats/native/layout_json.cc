@@ -334,7 +334,11 @@ std::string layout_digest(const Layout& L) {
     XXH3_64bits_update(st, v.data(), v.size());
   };
   str(L.topo.to_string());
-  str(model_to_json(L.model).dump());
+  try {
+    str(model_to_json(L.model).dump());
+  } catch (const json::exception& e) {  // e.g. a model name that is not UTF-8
+    fail(ErrorCode::kInvalidArgument, "the model config cannot be written as JSON: ", e.what());
+  }
   i64(int64_t(L.tensors.size()));
   for (const TensorSpec& t : L.tensors) {
     str(t.name);

@@ -154,21 +154,16 @@ class NativeReader final : public CheckpointReader {
   // verify="free", and would load another rank's or another save's values. The record is all or
   // nothing: files written before it existed (no `rank`, no `save`, and no `save` in metadata.json)
   // are not compared; any part of it present makes every part required.
-  // The record also holds `layout`, the digest of the layout the writer saved (layout_digest): an
-  // edit of metadata.json after the save (a piece's strides or offsets, labels swapped
-  // consistently) keeps every checksum valid and loads values into the wrong places.
   void check_identity(const std::string& path, const std::map<std::string, std::string>& meta, const std::string& save,
                       int file_rank) const {
-    auto rank_it = meta.find("rank"), save_it = meta.find("save"), layout_it = meta.find("layout");
-    if (rank_it == meta.end() && save_it == meta.end() && layout_it == meta.end() && save.empty()) return;
-    if (rank_it == meta.end() || save_it == meta.end() || layout_it == meta.end())
+    auto rank_it = meta.find("rank"), save_it = meta.find("save");
+    if (rank_it == meta.end() && save_it == meta.end() && save.empty()) return;
+    if (rank_it == meta.end() || save_it == meta.end())
       fail(ErrorCode::kDataLoss, path, ": the file's safetensors header records ",
-           rank_it == meta.end() ? "no rank" : "rank " + shown(rank_it->second), ", ",
-           save_it == meta.end() ? "no save id" : "save id " + shown(save_it->second), " and ",
-           layout_it == meta.end() ? "no layout digest" : "layout digest " + shown(layout_it->second), " (", kMetadataFile,
+           rank_it == meta.end() ? "no rank" : "rank " + shown(rank_it->second), " and ",
+           save_it == meta.end() ? "no save id" : "save id " + shown(save_it->second), " (", kMetadataFile,
            save.empty() ? " has no save id" : " has save id " + shown(save),
-           "); reshard's writer records all three in every file of a save: the file was edited, or comes from another "
-           "save");
+           "); reshard's writer records both in every file of a save: the file was edited, or comes from another save");
     if (rank_it->second != std::to_string(file_rank))
       fail(ErrorCode::kDataLoss, path, ": the file holds the buffers of rank ", shown(rank_it->second),
            " (its safetensors header's __metadata__ says so), but ", kMetadataFile, " puts rank ", file_rank,
@@ -178,8 +173,11 @@ class NativeReader final : public CheckpointReader {
            shown(save_it->second), " in the file's header, ", save.empty() ? "none" : shown(save), " in ", kMetadataFile,
            "): a rank file was copied in from another checkpoint, or the folder mixes two saves");
   }
-  // After the header-vs-metadata checks of the file's buffers, which name a single edited field
-  // more precisely.
+  // The record's `layout`: the digest of the layout the writer saved (layout_digest). An edit of
+  // metadata.json after the save (a piece's strides or offsets, labels swapped consistently) keeps
+  // every checksum valid and loads values into the wrong places. Files of the first session-12
+  // writers have rank and save but no digest: not compared. Checked after the header-vs-metadata
+  // checks of the file's buffers, which name a single edited field more precisely.
   void check_layout(const std::string& path, const std::map<std::string, std::string>& meta,
                     const std::string& layout) const {
     auto layout_it = meta.find("layout");

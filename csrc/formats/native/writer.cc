@@ -333,7 +333,22 @@ void save_native(const std::string& root, const std::string& step, const Layout&
         }),
         what);
   const std::string nonce = comm.all_gather_strings(rank == 0 ? make_nonce() : std::string()).at(0);
-  const std::string digest = layout_digest(L);
+  // Every rank saves the same layout: rank 0 writes metadata.json from its own, and each rank
+  // records its layout's digest in its file, so ranks that disagree would write a step that no
+  // open accepts. Refused here, on every rank, while the job can still save again.
+  std::string digest;
+  agree(comm, try_local([&] { digest = layout_digest(L); }), what);
+  {
+    const std::vector<std::string> all = comm.all_gather_strings(digest);
+    std::string differ;
+    int n = 0;
+    for (int r = 1; r < world; ++r)
+      if (all[size_t(r)] != all[0] && n++ < 4) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+    if (n > 0)
+      fail(ErrorCode::kInvalidArgument, what, ": the ranks were given different layouts to save (rank(s) ", differ,
+           n > 4 ? ", ..." : "", " differ from rank 0: layout digest ", all[0], " on rank 0); every rank must pass the "
+           "same layout (derive_layout / build_layout with the same model, topology and options)");
+  }
 
   // (1) Same filesystem: every rank must see every rank's token.
   auto token = [&](int r) { return io::join(root, ".reshard-fscheck-" + nonce + "-" + std::to_string(r)); };
