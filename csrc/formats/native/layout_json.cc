@@ -671,7 +671,7 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
       const int64_t span = piece_span(p);
       const bool z3 = T.zero == 3;
       const __int128 lo = z3 ? __int128(p.base) : __int128(d) * g.partition_size + p.base;
-      const __int128 e_lo = e.offset, e_hi = z3 ? __int128(e.offset) + (e.numel + T.dp - 1) / T.dp : __int128(e.offset) + e.numel;
+      const __int128 e_lo = e.offset, e_hi = z3 ? __int128(e.offset) + (__int128(e.numel) + T.dp - 1) / T.dp : __int128(e.offset) + e.numel;
       if (span > 0 && (lo < e_lo || lo + span > e_hi))
         fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()), " lies at ",
              z3 ? "elements [" : "flat elements [", int64_t(lo), ", ", int64_t(lo + span), ") of ", where(),
