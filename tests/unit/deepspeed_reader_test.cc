@@ -764,6 +764,18 @@ TEST(DeepSpeedFailures, FilesSwappedAfterOpenAreNotWhatALoadReads) {
   fs::rename(a, step + "/swap.tmp");  // names back as saved
   fs::rename(b, a);
   fs::rename(step + "/swap.tmp", b);
+  // Only its modification time changed (`touch`): size and time cannot tell it from a rewrite, so
+  // it is refused the same way (open the checkpoint again).
+  auto touched = open_checkpoint(step);
+  fs::last_write_time(b, fs::last_write_time(b) + std::chrono::seconds(1));
+  try {
+    load_all(*touched);
+    ADD_FAILURE() << "a file touched after the open was loaded without a word";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(b + " changed since the checkpoint was opened ("), std::string::npos) << m;
+    EXPECT_NE(m.find(" bytes, another modification time); open the checkpoint again"), std::string::npos) << m;
+  }
   auto again = open_checkpoint(step);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   fs::copy_file(b, a, fs::copy_options::overwrite_existing);

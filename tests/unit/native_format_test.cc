@@ -432,6 +432,27 @@ TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
     EXPECT_HAS(msg, file(2) + ": the file's safetensors header records no rank and save id '");
     std::filesystem::rename(step + "/keep", file(2));
   }
+  // A rank value of 60 bytes with a line separator and an escape sequence (the header rewritten,
+  // its data untouched): one line, the value quoted and cut at 40 bytes.
+  {
+    std::filesystem::copy_file(file(2), step + "/keep");
+    std::string bytes = io::read_text(file(2));
+    uint64_t n = 0;
+    std::memcpy(&n, bytes.data(), 8);
+    json h = json::parse(bytes.substr(8, size_t(n)));
+    h["__metadata__"]["rank"] = "2\xe2\x80\xa8" "X\x1b[31m" + std::string(50, 'y');
+    std::string text = h.dump();
+    text.append((8 - (8 + text.size()) % 8) % 8, ' ');
+    const uint64_t m2 = text.size();
+    std::string out(reinterpret_cast<const char*>(&m2), 8);
+    out += text + bytes.substr(8 + size_t(n));
+    std::ofstream(file(2), std::ios::binary | std::ios::trunc) << out;
+    msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_HAS(msg, "the file holds the buffers of rank '2\\u2028X\\x1b[31myyy");
+    EXPECT_HAS(msg, "' (60 bytes, cut) (its safetensors header's __metadata__ says so)");
+    std::filesystem::rename(step + "/keep", file(2));
+  }
   EXPECT_EQ(detail::one_line("a\nb\x1b[31m\xe2\x80\xa8" "c\xc2\x85" "d\x7f"), "a\\x0ab\\x1b[31m\\u2028c\\u0085d\\x7f");
   EXPECT_EQ(detail::one_line("plain caf\xc3\xa9 \xe2\x80\x94 ok"), "plain caf\xc3\xa9 \xe2\x80\x94 ok");
   // Files of the first session-12 writers: rank and save, no layout digest. Open as before
