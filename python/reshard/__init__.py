@@ -234,7 +234,12 @@ def local_communicator() -> "Communicator":
 def communicator(group=None) -> "Communicator":
     """A communicator over a torch.distributed process group (default: WORLD; gloo or NCCL), for
     :func:`load` and :func:`save`. Its ranks are the group's ranks, which must equal the layout's
-    ranks. Raises FailedPrecondition when torch.distributed is not initialized."""
+    ranks. Raises FailedPrecondition when torch.distributed is not initialized.
+
+    End the job with ``torch.distributed.destroy_process_group()`` (as torch asks): a script under
+    mpirun with gloo that loaded and saved and then exited without it aborted at interpreter exit
+    ("terminate called without an active exception", exit 134) in 1 of 15 runs (0 of 12 with it;
+    session 12), after every rank had finished and the checkpoint was complete."""
     from ._comm import ProcessGroupComm
     return _C.torch_communicator(ProcessGroupComm(group))
 
