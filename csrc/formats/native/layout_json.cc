@@ -586,7 +586,7 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
     const bool ok = buf.name.size() > state.size() + 1 && buf.name.compare(0, state.size() + 1, state + "/") == 0 &&
                     (buf.group < 0 || buf.name.compare(state.size() + 1, std::string::npos, want_rest) == 0);
     if (!ok)
-      fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "]': the name '", escape_controls(buf.name),
+      fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "]': the name '", buf.name,
            "' does not agree with its state '", state, "'",
            buf.group >= 0 ? " and group " + std::to_string(buf.group) : std::string(), " (the writer names it '", state,
            "/", buf.group >= 0 ? want_rest : std::string("<tensor>"), "'); the labels in this file were edited");
@@ -598,10 +598,10 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
     const std::string_view buf_tensor =
         buf.group >= 0 ? std::string_view() : std::string_view(buf.name).substr(buf.name.find('/') + 1);
     if (a.state != buf.state || (buf.group < 0 && std::string_view(a.tensor) != buf_tensor))
-      fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()),
-           " does not belong in buffer ", escape_controls(buf.name), " (rank ", buf.rank, "), which holds ",
+      fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", a.key(),
+           " does not belong in buffer ", buf.name, " (rank ", buf.rank, "), which holds ",
            buf.group >= 0 ? std::string(state_kind_name(buf.state)) + " values of param group " + std::to_string(buf.group)
-                          : std::string(state_kind_name(buf.state)) + " values of " + escape_controls(std::string(buf_tensor)),
+                          : std::string(state_kind_name(buf.state)) + " values of " + std::string(buf_tensor),
            "; the labels in this file were edited (a load would put one array's values in another)");
   }
   // Pieces of one buffer never share an element: two pieces over the same bytes would load one
@@ -652,7 +652,7 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
                std::to_string(T.tp_rank(buf.rank)) + ")";
       };
       if (shard >= fg.size() || size_t(buf.group) >= fg[shard].size())
-        fail(ErrorCode::kDataLoss, path, ": field 'buffers[", p.buffer, "]': buffer ", escape_controls(buf.name),
+        fail(ErrorCode::kDataLoss, path, ": field 'buffers[", p.buffer, "]': buffer ", buf.name,
              " (rank ", buf.rank, ") is a flat partition of ", where(), ", which 'flat_groups' does not have");
       const FlatGroup& g = fg[shard][size_t(buf.group)];
       auto [it, fresh] = entry_of.try_emplace({shard, buf.group});
@@ -664,19 +664,19 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
       const LogicalArray& a = md.layout.arrays[size_t(p.array)];
       const int k = it->second[size_t(array_tensor[size_t(p.array)])];
       if (k < 0)
-        fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()),
-             " is in buffer ", escape_controls(buf.name), " (rank ", buf.rank, "), but 'flat_groups' does not put tensor ",
-             escape_controls(a.tensor), " in ", where(), "; the labels in this file were edited");
+        fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", a.key(),
+             " is in buffer ", buf.name, " (rank ", buf.rank, "), but 'flat_groups' does not put tensor ",
+             a.tensor, " in ", where(), "; the labels in this file were edited");
       const FlatGroup::Entry& e = g.entries[size_t(k)];
       const int64_t span = piece_span(p);
       const bool z3 = T.zero == 3;
       const __int128 lo = z3 ? __int128(p.base) : __int128(d) * g.partition_size + p.base;
       const __int128 e_lo = e.offset, e_hi = z3 ? __int128(e.offset) + (__int128(e.numel) + T.dp - 1) / T.dp : __int128(e.offset) + e.numel;
       if (span > 0 && (lo < e_lo || lo + span > e_hi))
-        fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", escape_controls(a.key()), " lies at ",
+        fail(ErrorCode::kDataLoss, path, ": field 'pieces[", i, "]': its array ", a.key(), " lies at ",
              z3 ? "elements [" : "flat elements [", int64_t(lo), ", ", int64_t(lo + span), ") of ", where(),
              z3 ? " in rank " + std::to_string(buf.rank) + "'s partition" : std::string(), ", outside tensor ",
-             escape_controls(a.tensor), "'s entry [", int64_t(e_lo), ", ", int64_t(e_hi),
+             a.tensor, "'s entry [", int64_t(e_lo), ", ", int64_t(e_hi),
              ") in 'flat_groups'; the labels in this file were edited (a load would put one tensor's values in another)");
     }
   }
@@ -707,7 +707,7 @@ Metadata parse_metadata(std::string_view text, const std::string& path) {
     // byte ranges.
     const Buffer& buf = md.layout.buffers[b];
     if (name != rank_file_name(buf.rank))
-      fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "].file' is ", name, " but buffer ", escape_controls(buf.name),
+      fail(ErrorCode::kDataLoss, path, ": field 'buffers[", b, "].file' is ", name, " but buffer ", buf.name,
            " belongs to rank ", buf.rank, ", whose data file is ", rank_file_name(buf.rank));
     md.buffer_file.push_back(it->second);
   }

@@ -36,9 +36,6 @@ class Xxh3Stream {
 };
 /// 16 random hex digits.
 std::string make_nonce();
-/// `s` for a one-line message (detail::one_line): control characters (and DEL) as \xNN, Unicode
-/// line breaks as \uNNNN, everything else as is.
-std::string escape_controls(const std::string& s);
 
 /// Per buffer, the indices of its pieces.
 std::vector<std::vector<int>> pieces_by_buffer(const Layout& L);

@@ -148,14 +148,14 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
   } else if (io::is_file(latest)) {
     step = trim(io::read_text(latest, 4096));
     if (!plain_name(step))
-      fail(ErrorCode::kDataLoss, latest, " holds '", native::escape_controls(step), "', which is not a step folder name");
+      fail(ErrorCode::kDataLoss, latest, " holds '", step, "', which is not a step folder name");
     if (!io::is_dir(io::join(path, step)))
       fail(ErrorCode::kNotFound, latest, " names step '", step, "' but ", io::join(path, step),
            " does not exist; available steps: ", join_list(steps));
     notes.push_back("`latest` names " + step);
   } else if (io::is_file(megatron_latest)) {
     std::string it = trim(io::read_text(megatron_latest, 4096));
-    if (!all_digits(it)) fail(ErrorCode::kDataLoss, megatron_latest, " holds '", native::escape_controls(it), "', not an iteration number");
+    if (!all_digits(it)) fail(ErrorCode::kDataLoss, megatron_latest, " holds '", it, "', not an iteration number");
     char iter_name[64];
     std::snprintf(iter_name, sizeof iter_name, "iter_%07llu", std::stoull(it));
     const std::vector<std::string> candidates = {"global_step" + it, iter_name};

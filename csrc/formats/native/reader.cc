@@ -144,16 +144,17 @@ class NativeReader final : public CheckpointReader {
     const std::string digits = name.substr(5, name.size() - 5 - 12);
     return digits.size() > 9 ? -1 : std::stoi(digits);
   }
+  // A value read from a header, quoted and cut at 40 bytes (fail() escapes what would break the line).
   static std::string shown(const std::string& v) {
-    return "'" + escape_controls(v.size() > 40 ? v.substr(0, 40) : v) + "'" +
+    return "'" + (v.size() > 40 ? v.substr(0, 40) : v) + "'" +
            (v.size() > 40 ? " (" + std::to_string(v.size()) + " bytes, cut)" : std::string());
   }
   // The writer records each file's rank and the save's id in the file's __metadata__ and the id in
   // metadata.json (format.md §2-§3). Two rank files swapped, or one copied in from another save,
   // keep their own checksums and shapes: pieces a load cuts between ranks are not checked by
-  // verify="free", and would load another rank's or another save's values. The record is all or
-  // nothing: files written before it existed (no `rank`, no `save`, and no `save` in metadata.json)
-  // are not compared; any part of it present makes every part required.
+  // verify="free", and would load another rank's or another save's values. `rank` and `save` go
+  // together: files written before they existed (neither, and no `save` in metadata.json) are not
+  // compared; one of them present makes both required.
   void check_identity(const std::string& path, const std::map<std::string, std::string>& meta, const std::string& save,
                       int file_rank) const {
     auto rank_it = meta.find("rank"), save_it = meta.find("save");

@@ -36,13 +36,12 @@ void check_step_name(const std::string& step) {
   const bool plain = std::all_of(step.begin(), step.end(), [](char c) { return c > ' ' && c < 127; });
   if (step.empty() || !plain || step == "." || step == ".." || step == kLatestFile || step[0] == '.' ||
       step.find('/') != std::string::npos || step.size() > 200) {
-    fail(ErrorCode::kInvalidArgument, "step name '", escape_controls(step),
+    fail(ErrorCode::kInvalidArgument, "step name '", step,
          "' is not allowed: use a plain folder name of printable characters (no spaces or control characters, "
          "no '/', not starting with '.', not 'latest')");
   }
 }
 
-std::string escape_controls(const std::string& s) { return detail::one_line(s); }
 
 std::string xxh3_hex(const void* data, size_t bytes) {
   char buf[17];
