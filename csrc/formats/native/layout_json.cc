@@ -1,9 +1,7 @@
 #include "formats/native/layout_json.h"
 
-#include <xxhash.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <map>
 #include <tuple>
 #include <unordered_map>
@@ -326,12 +324,11 @@ json layout_to_json(const Layout& L, const std::vector<std::string>& buffer_file
 }
 
 std::string layout_digest(const Layout& L) {
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
-  auto i64 = [&](int64_t v) { XXH3_64bits_update(st, &v, sizeof v); };
+  Xxh3Stream h;
+  auto i64 = [&](int64_t v) { h.update(&v, sizeof v); };
   auto str = [&](const std::string& v) {
     i64(int64_t(v.size()));
-    XXH3_64bits_update(st, v.data(), v.size());
+    h.update(v.data(), v.size());
   };
   str(L.topo.to_string());
   try {
@@ -381,11 +378,7 @@ std::string layout_digest(const Layout& L) {
       for (int64_t v : {g.numel, g.partition_size, int64_t(g.no_weight_decay)}) i64(v);
     }
   }
-  const uint64_t h = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)h);
-  return hex;
+  return h.hex();
 }
 
 Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_files, std::vector<std::string>* checksums) {

@@ -129,7 +129,7 @@ class NativeReader final : public CheckpointReader {
       bool same = f->size() >= n;
       if (same) {
         f->pread(0, n, head.data());
-        same = XXH3_64bits(head.data(), head.size()) == header_hash_[size_t(file)];
+        same = xxh3_hex(head.data(), head.size()) == header_hash_[size_t(file)];
       }
       if (!same)
         fail(ErrorCode::kDataLoss, src_.files[file], " is not the file this checkpoint was opened with: its safetensors "
@@ -211,7 +211,7 @@ class NativeReader final : public CheckpointReader {
     const size_t nfiles = src_.files.size();
     missing_.assign(nfiles, false);
     header_len_.assign(nfiles, 0);
-    header_hash_.assign(nfiles, 0);
+    header_hash_.assign(nfiles, std::string());
     handles_.resize(nfiles);
     std::vector<std::vector<int>> buffers_of_file(nfiles);
     for (size_t b = 0; b < md.buffer_file.size(); ++b) buffers_of_file[size_t(md.buffer_file[b])].push_back(int(b));
@@ -247,10 +247,11 @@ class NativeReader final : public CheckpointReader {
       std::string htext(size_t(n), '\0');
       fh.pread(8, n, htext.data());
       {
-        std::string head(reinterpret_cast<const char*>(prefix), 8);
-        head += htext;
-        header_len_[f] = head.size();
-        header_hash_[f] = XXH3_64bits(head.data(), head.size());
+        Xxh3Stream head;
+        head.update(prefix, 8);
+        head.update(htext.data(), htext.size());
+        header_len_[f] = 8 + n;
+        header_hash_[f] = head.hex();
       }
       safetensors::Header h = safetensors::parse_header(htext, path);
       check_identity(path, h.metadata, md.save, rank_in_file_name(md.files[f].first));
@@ -294,7 +295,8 @@ class NativeReader final : public CheckpointReader {
   std::string dir_;
   std::string fingerprint_;  // xxh3-64 of metadata.json, hex
   // Per data file: bytes of its 8-byte length and safetensors header at open, and their xxh3-64.
-  std::vector<uint64_t> header_len_, header_hash_;
+  std::vector<uint64_t> header_len_;
+  std::vector<std::string> header_hash_;
   std::vector<std::string> notes_;
   SourceLayout src_;
   NonTensorState state_;
