@@ -155,7 +155,7 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   if (options.io_threads < 1 || options.io_threads > 1024)
     fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024");
   eo.io_threads = options.io_threads;
-  eo.verify_memory_budget = std::min<uint64_t>(eo.verify_memory_budget, options.plan.memory_budget);
+  eo.memory_budget = options.plan.memory_budget;
   eo.replica_policy = options.plan.replica_policy;
   eo.replica_atol = options.plan.replica_atol;
   if (options.verify == "off") eo.verify = VerifyMode::kOff;

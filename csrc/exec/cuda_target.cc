@@ -554,8 +554,7 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
                                       options.verify == "full"  ? VerifyMode::kFull
                                       : options.verify == "off" ? VerifyMode::kOff
                                                                 : VerifyMode::kFree,
-                                      co.io_threads > 0 ? co.io_threads : 16,
-                                      std::min<uint64_t>(uint64_t(64) << 20, options.plan.memory_budget));
+                                      co.io_threads > 0 ? co.io_threads : 16, options.plan.memory_budget);
     const int threads = co.io_threads > 0 ? co.io_threads : 16;
     const int slots = std::max(1, co.slots_per_thread);
     const uint64_t chunk = std::max<uint64_t>(co.chunk_bytes, 1 << 20);

@@ -181,7 +181,7 @@ int remote_ranks(const Plan& plan, const Fragment& f) {
 std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
                                        const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
                                        double atol, ExecStats* stats, VerifyMode verify, int io_threads,
-                                       uint64_t verify_memory_budget) {
+                                       uint64_t memory_budget) {
   const int me = comm.rank();
   const int W = comm.size();
   const SourceLayout& src = source.source();
@@ -351,7 +351,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         mo.part = me;
         mo.parts = W;
         mo.replicas = false;
-        mo.memory_budget = verify_memory_budget;
+        mo.memory_budget = std::min(mo.memory_budget, memory_budget);
         const MasterCheck mc = check_weights_against_master(source, mo);
         stats->verify_bytes_read += mc.bytes_read;
         stats->peak_verify_bytes = std::max(stats->peak_verify_bytes, mc.peak_bytes_held);
@@ -422,7 +422,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // 1-2. Same plan everywhere; pre-flight of files and buffers; replica comparisons.
   const auto tp0 = Clock::now();
   st.replica_report = run_preflight(plan, target, source, buffers, comm, opt.replica_policy, opt.replica_atol,
-                                    &st, opt.verify, opt.io_threads, opt.verify_memory_budget);
+                                    &st, opt.verify, opt.io_threads, opt.memory_budget);
   st.preflight_seconds = seconds_since(tp0);
 
   // 3. Waves. Fragments are sorted by wave; find each wave's range once.

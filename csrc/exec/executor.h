@@ -36,10 +36,10 @@ struct ExecOptions {
   ReplicaPolicy replica_policy = ReplicaPolicy::kError;
   double replica_atol = 0.0;
   VerifyMode verify = VerifyMode::kFree;
-  /// Bytes the verify=kFull weights-vs-master comparison holds at a time (its batches of weights
-  /// and masters): load() passes min(64 MiB, the plan's memory budget), so the pre-flight stays
-  /// within the budget a wave may use.
-  uint64_t verify_memory_budget = uint64_t(64) << 20;
+  /// The load's memory budget per rank (PlanOptions::memory_budget). The verify=kFull
+  /// weights-vs-master comparison holds at most min(its own cap, this) at a time
+  /// (MasterCheckOptions::memory_budget, 64 MiB), so the pre-flight stays within what a wave may use.
+  uint64_t memory_budget = PlanOptions{}.memory_budget;
   /// Called (on the executing thread) once every element of one of this rank's target buffers
   /// has been written; GPU targets use it to start the host-to-device copy of a finished buffer
   /// while later waves are still being read.
@@ -73,7 +73,7 @@ struct ExecStats {
 std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, const CheckpointReader& source,
                                        const std::vector<void*>& buffers, Communicator& comm, ReplicaPolicy policy,
                                        double atol, ExecStats* stats, VerifyMode verify = VerifyMode::kFree,
-                                       int io_threads = 1, uint64_t verify_memory_budget = uint64_t(64) << 20);
+                                       int io_threads = 1, uint64_t memory_budget = PlanOptions{}.memory_budget);
 
 /// Executes this rank's part of `plan`. `buffers[i]` points at target layout buffer i when that
 /// buffer belongs to comm.rank(), else nullptr. Errors: see the header comment.

@@ -1,6 +1,5 @@
 #include "formats/native/layout_json.h"
 
-
 #include <algorithm>
 #include <map>
 #include <tuple>
