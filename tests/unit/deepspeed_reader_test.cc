@@ -589,6 +589,17 @@ TEST(DeepSpeedFailures, B10_ReplicatedLayerNormDiffersAcrossTp) {
   fs::remove_all(fs::path(step).parent_path());
 }
 
+// The error opening `step` raises (code and message); a test failure, and kInternal, when it opens.
+std::pair<ErrorCode, std::string> open_error(const std::string& step) {
+  try {
+    open_checkpoint(step);
+  } catch (const Error& e) {
+    return {e.code(), e.what()};
+  }
+  ADD_FAILURE() << step << " opened";
+  return {ErrorCode::kInternal, ""};
+}
+
 // Rewrites the top-level folder of every entry of a torch.save archive in place (`from` and `to`
 // of one length: the ZIP's local headers and central directory name each entry; the CRC-32s cover
 // the data only), as if the file had been saved under the name `to`.
@@ -624,15 +635,10 @@ TEST(DeepSpeedFailures, TpLayerFilesSwappedDisagreeWithTheMaster) {
     auto clean = open_checkpoint(step);
     EXPECT_TRUE(check_weights_against_master(*clean).mismatches.empty());
   }
-  fs::rename(a, step + "/swap.tmp");
-  fs::rename(b, a);
-  fs::rename(step + "/swap.tmp", b);
-  try {
-    open_checkpoint(step);
-    ADD_FAILURE() << "swapped layer files opened";
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
+  testing::swap_files(a, b);
+  {
+    const auto [code, m] = open_error(step);
+    EXPECT_EQ(code, ErrorCode::kDataLoss) << m;
     EXPECT_EQ(m.find(a + ": it was saved as layer_03-model_01-model_states.pt"), 0u) << m;
     EXPECT_NE(m.find("holds pipeline layer 3 of tp rank 1, not pipeline layer 3 of tp rank 0"), std::string::npos) << m;
   }
@@ -681,15 +687,10 @@ TEST(DeepSpeedFailures, Zero3OptimizerFilesSwappedAreRefusedAtOpen) {
   const std::string a = step + "/zero_pp_rank_0_mp_rank_00_optim_states.pt", b = step + "/zero_pp_rank_1_mp_rank_00_optim_states.pt";
   ASSERT_TRUE(fs::exists(a) && fs::exists(b));
   EXPECT_NO_THROW(open_checkpoint(step));
-  fs::rename(a, step + "/swap.tmp");
-  fs::rename(b, a);
-  fs::rename(step + "/swap.tmp", b);
-  try {
-    open_checkpoint(step);
-    ADD_FAILURE() << "swapped ZeRO-3 optimizer files opened";
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
+  testing::swap_files(a, b);
+  {
+    const auto [code, m] = open_error(step);
+    EXPECT_EQ(code, ErrorCode::kDataLoss) << m;
     const bool names_a = m.rfind(a + ": it was saved as zero_pp_rank_1_mp_rank_00_optim_states.pt", 0) == 0 &&
                          m.find("the optimizer state of dp rank 1, mp rank 0, not the optimizer state of dp rank 0") != std::string::npos;
     const bool names_b = m.rfind(b + ": it was saved as zero_pp_rank_0_mp_rank_00_optim_states.pt", 0) == 0 &&
@@ -713,12 +714,9 @@ TEST(DeepSpeedFailures, TwoFilesForOneRankAreRefusedAtOpen) {
   ASSERT_TRUE(fs::exists(step + "/layer_03-model_00-model_states.pt"));
   ASSERT_TRUE(fs::exists(step + "/mp_rank_00_model_states.pt"));
   fs::copy_file(step + "/layer_03-model_00-model_states.pt", step + "/layer_03-model_states.pt");
-  try {
-    open_checkpoint(step);
-    ADD_FAILURE() << "two files for layer 3 opened";
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << m;
+  {
+    const auto [code, m] = open_error(step);
+    EXPECT_EQ(code, ErrorCode::kInvalidArgument) << m;
     EXPECT_NE(m.find("two files hold pipeline layer 3 of tp rank 0: layer_03-model_00-model_states.pt and "
                      "layer_03-model_states.pt"), std::string::npos) << m;
   }
@@ -751,43 +749,39 @@ TEST(DeepSpeedFailures, FilesSwappedAfterOpenAreNotWhatALoadReads) {
   };
   const auto ref = load_all(*open_checkpoint(step));
   auto reader = open_checkpoint(step);
-  fs::rename(a, step + "/swap.tmp");
-  fs::rename(b, a);
-  fs::rename(step + "/swap.tmp", b);
+  testing::swap_files(a, b);
   const auto got = load_all(*reader);
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(got[i], ref[i]) << "buffer " << i;
-  // Overwritten in place instead (`cp B A` keeps A's inode, so the descriptor sees B's bytes;
-  // session 12 tester: a default load took the other rank's values): the pre-flight compares the
-  // file's size and modification time with the open's and refuses before any write. (File times
-  // tick at the kernel's clock, a few ms: the overwrite here waits past one tick.)
-  fs::rename(a, step + "/swap.tmp");  // names back as saved
-  fs::rename(b, a);
-  fs::rename(step + "/swap.tmp", b);
-  // Only its modification time changed (`touch`): size and time cannot tell it from a rewrite, so
-  // it is refused the same way (open the checkpoint again).
+  testing::swap_files(a, b);  // names back as saved
+  // A file changed in place after the open: the pre-flight compares each file's size and
+  // modification time with the open's and refuses before any write (open the checkpoint again).
+  auto load_error = [&](const CheckpointReader& r) {
+    try {
+      load_all(r);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << e.what();
+      EXPECT_NE(std::string(e.what()).find("pre-flight check failed before any live tensor was written"),
+                std::string::npos) << e.what();
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "a file changed after the open was loaded without a word";
+    return std::string();
+  };
+  // Only its modification time changed (`touch`): size and time cannot tell it from a rewrite.
   auto touched = open_checkpoint(step);
   fs::last_write_time(b, fs::last_write_time(b) + std::chrono::seconds(1));
-  try {
-    load_all(*touched);
-    ADD_FAILURE() << "a file touched after the open was loaded without a word";
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find(b + " changed since the checkpoint was opened ("), std::string::npos) << m;
-    EXPECT_NE(m.find(" bytes, another modification time); open the checkpoint again"), std::string::npos) << m;
-  }
+  std::string m = load_error(*touched);
+  EXPECT_NE(m.find(b + " changed since the checkpoint was opened ("), std::string::npos) << m;
+  EXPECT_NE(m.find(" bytes, another modification time); open the checkpoint again"), std::string::npos) << m;
+  // Overwritten in place (`cp B A` keeps A's inode, so the descriptor sees B's bytes; session 12
+  // tester: a default load took the other rank's values). File times tick at the kernel's clock, a
+  // few ms: the overwrite waits past one tick.
   auto again = open_checkpoint(step);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   fs::copy_file(b, a, fs::copy_options::overwrite_existing);
-  try {
-    load_all(*again);
-    ADD_FAILURE() << "a file overwritten after the open was loaded";
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << m;
-    EXPECT_NE(m.find("pre-flight check failed before any live tensor was written"), std::string::npos) << m;
-    EXPECT_NE(m.find(a + " changed since the checkpoint was opened"), std::string::npos) << m;
-  }
+  m = load_error(*again);
+  EXPECT_NE(m.find(a + " changed since the checkpoint was opened"), std::string::npos) << m;
   fs::remove_all(fs::path(step).parent_path());
 }
 

@@ -397,11 +397,7 @@ TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
   synth_checkpoint(other, m, topo, 5);  // the same values, another save
   const std::string step = io::join(root, "step-1");
   auto file = [&](int r) { return io::join(step, "rank_0000" + std::to_string(r) + ".safetensors"); };
-  auto swap = [&](int a, int b) {
-    std::filesystem::rename(file(a), step + "/t");
-    std::filesystem::rename(file(b), file(a));
-    std::filesystem::rename(step + "/t", file(b));
-  };
+  auto swap = [&](int a, int b) { testing::swap_files(file(a), file(b)); };
   ASSERT_EQ(std::filesystem::file_size(file(2)), std::filesystem::file_size(file(3)));
   swap(2, 3);
   std::string msg = expect_error(ErrorCode::kDataLoss, [&] { open_checkpoint(root); });

@@ -251,11 +251,7 @@ TEST(ReliabilityCorrupt, RankFilesSwappedAfterOpenFailPreflightBeforeAnyWrite) {
   const ModelConfig m = model();
   Ckpt c("swap_after_open", m, "tp=2,dp=2,zero=1");
   const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
-  auto swap = [&] {
-    io::rename_path(c.file(2), c.file(2) + ".t");
-    io::rename_path(c.file(3), c.file(2));
-    io::rename_path(c.file(2) + ".t", c.file(3));
-  };
+  auto swap = [&] { testing::swap_files(c.file(2), c.file(3)); };
   for (const char* v : {"off", "free"}) {
     SCOPED_TRACE(v);
     auto ck = open_checkpoint(c.root);

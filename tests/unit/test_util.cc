@@ -4,6 +4,7 @@
 
 #include <cctype>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,13 @@ void flip_bits(const std::string& path, uint64_t offset, uint8_t mask) {
   f.seekp(std::streamoff(offset));
   if (!f.put(char(x ^ char(mask))))
     throw std::runtime_error("flip_bits: cannot write byte " + std::to_string(offset) + " of " + path);
+}
+
+void swap_files(const std::string& a, const std::string& b) {
+  const std::string tmp = a + ".swap";
+  std::filesystem::rename(a, tmp);
+  std::filesystem::rename(b, a);
+  std::filesystem::rename(tmp, b);
 }
 
 std::pair<uint64_t, int> mapped_rss_under(const std::string& dir) {

@@ -25,6 +25,10 @@ uint64_t latest_inode(const std::string& root);
 /// std::runtime_error naming the file when it cannot be opened or ends before `offset`.
 void flip_bits(const std::string& path, uint64_t offset, uint8_t mask);
 
+/// Exchanges the names of two existing files (three renames through `a` + ".swap"): a checkpoint's
+/// files renamed among themselves.
+void swap_files(const std::string& a, const std::string& b);
+
 /// Resident bytes of this process's mappings of files whose path contains `dir` (the sum of their
 /// Rss lines in /proc/self/smaps), and how many such mappings there are.
 std::pair<uint64_t, int> mapped_rss_under(const std::string& dir);
