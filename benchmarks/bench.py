@@ -42,8 +42,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(1, REPO)  # integration.megatron_deepspeed.launch
 
 from gpt_shapes import GPT, parse_layout, short_layout, size_model  # noqa: E402
+from integration.megatron_deepspeed.launch import cleanup_shm  # noqa: E402
 
 PY = sys.executable
 
@@ -75,8 +77,13 @@ class Runner:
         with open(base + ".err", "w") as err:
             err.write(" ".join(cmd) + "\n")
             err.flush()
-            p = subprocess.run(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True,
-                               timeout=timeout)
+            try:
+                p = subprocess.run(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                   timeout=timeout)
+            finally:
+                # DeepSpeed's CPU allreduce buffers (69 MB per rank) outlive the job in /dev/shm.
+                if (env or {}).get("MASTER_PORT"):
+                    cleanup_shm(int(env["MASTER_PORT"]))
         dt = time.perf_counter() - t0
         with open(base + ".out", "w") as f:
             f.write(p.stdout)

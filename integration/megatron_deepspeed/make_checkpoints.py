@@ -22,10 +22,11 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
+
+from .launch import cleanup_shm, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
@@ -61,12 +62,6 @@ CASES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def mpirun_cmd(np_: int):
     return ["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", str(np_), "--bind-to", "none"]
 
@@ -74,7 +69,11 @@ def mpirun_cmd(np_: int):
 def run_logged(cmd, log_prefix, env=None, timeout=600):
     t0 = time.time()
     with open(log_prefix + ".out.log", "w") as out, open(log_prefix + ".err.log", "w") as err:
-        r = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=err, timeout=timeout)
+        try:
+            r = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=err, timeout=timeout)
+        finally:
+            if env and env.get("MASTER_PORT", "0") != "0":
+                cleanup_shm(int(env["MASTER_PORT"]))
     return r.returncode, time.time() - t0
 
 

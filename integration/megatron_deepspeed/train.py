@@ -19,6 +19,7 @@ global samples [s*G, (s+1)*G) (G = global batch) in Megatron's order (micro-step
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import hashlib
 import json
@@ -29,6 +30,13 @@ import time
 import warnings
 
 import numpy as np
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _setup_env_from_mpi():
@@ -46,6 +54,12 @@ def _setup_env_from_mpi():
     env.setdefault("DS_ACCELERATOR", "cpu")
     # One compute thread per rank: ranks are oversubscribed on small machines.
     env.setdefault("OMP_NUM_THREADS", "1")
+    # DeepSpeed's CPU shm allreduce op (deepspeed/ops/csrc/cpu/comm/shm.cpp, shm_initialize) creates
+    # /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (about 69 MB) per rank and never
+    # unlinks it: every run would leave its world size x 69 MB in a tmpfs. Each rank removes its own
+    # at exit (every rank opened its peers' buffers at init, so none is needed by then).
+    atexit.register(_unlink, f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_"
+                    f"{env['MASTER_PORT']}_{env['RANK']}")
     warnings.filterwarnings("ignore", message=r".*c10d::broadcast_.*")
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*all_gather_into_tensor.*")
 

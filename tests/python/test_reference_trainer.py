@@ -9,7 +9,6 @@ the make_checkpoints test generate every case (~5 minutes more).
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -42,10 +41,13 @@ MODEL = ["--layers", "4", "--hidden", "64", "--heads", "8", "--ffn", "128", "--s
          "--micro-batch", "2", "--global-batch", "8"]
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from integration.megatron_deepspeed.launch import cleanup_shm, free_port  # noqa: E402
+
+
+def _shm_of(port):
+    """Files in /dev/shm whose name holds the job's rendezvous port (DeepSpeed's CPU allreduce
+    buffers are named ..._<addr>_<port>_<rank>)."""
+    return [f for f in os.listdir("/dev/shm") if f"_{port}_" in f] if os.path.isdir("/dev/shm") else []
 
 
 def train(tmp_path, name, tp, pp, dp, extra=(), timeout=300):
@@ -55,10 +57,17 @@ def train(tmp_path, name, tp, pp, dp, extra=(), timeout=300):
     cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(world), sys.executable,
            "-m", "integration.megatron_deepspeed.train", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
            "--log-json", str(log), "--quiet"] + MODEL + list(extra)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), DS_ACCELERATOR="cpu",
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        left = _shm_of(port)
+    finally:
+        cleanup_shm(port)
     assert r.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}"
+    # DeepSpeed never unlinks its shm allreduce buffers (69 MB per rank); the trainer's ranks do.
+    assert left == [], left
     with open(log) as f:
         return json.load(f)["steps"]
 
