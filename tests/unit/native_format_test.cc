@@ -654,6 +654,16 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   // A float where an integer belongs.
   msg = refused(ErrorCode::kDataLoss, [](json& j) { j["pieces"][3]["base"] = 1.5; });
   EXPECT_HAS(msg, "field 'pieces[3].base': expected an integer");
+  // Elements of integer lists and keys of nested objects are named to the element (paths are
+  // built only for messages since session 13; these pin them).
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["pieces"][4]["len"][0] = "2"; });
+  EXPECT_HAS(msg, "field 'pieces[4].len[0]': expected an integer");
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["arrays"][1]["shape"][0] = uint64_t(1) << 63; });
+  EXPECT_HAS(msg, "field 'arrays[1].shape[0]': integer out of range");
+  msg = refused(ErrorCode::kDataLoss, [](json& j) { j["state"]["iteration"] = "seven"; });
+  EXPECT_HAS(msg, "field 'state.iteration': expected an integer");
+  msg = refused_text(ErrorCode::kDataLoss, inserted(clean, "\"offset\"", "\"offset\": 0,\n "));
+  EXPECT_HAS(msg, "key 'offset' appears twice in field 'flat_groups[0][0].entries[0]'");
   // A piece without its checksum (deleted, emptied, not hex): refused at open, since a piece with
   // no checksum would load unchecked even under verify="full" (helper report, session 8).
   for (const json& bad : {json(nullptr), json(""), json("D432FF013EDDF4C8"), json("d432ff01")}) {

@@ -15,8 +15,23 @@ namespace reshard::native {
 // ---------------------------------------------------------------------------------------------
 // Field
 
+std::string Field::path_of(const Node* up, std::string_view key, int64_t index) {
+  if (!up) return std::string();
+  std::string p = path_of(up->up.get(), up->key, up->index);
+  if (index >= 0) return p + "[" + std::to_string(index) + "]";
+  return p.empty() ? std::string(key) : p + "." + std::string(key);
+}
+
+std::string Field::path() const { return path_of(up_.get(), key_, index_); }
+
+const std::shared_ptr<const Field::Node>& Field::node() const {
+  if (!node_) node_ = std::make_shared<const Node>(Node{up_, key_, index_});
+  return node_;
+}
+
 void Field::bad(const std::string& why) const {
-  fail(ErrorCode::kDataLoss, file_, ": field '", path_.empty() ? "<root>" : path_, "': ", why);
+  const std::string p = path();
+  fail(ErrorCode::kDataLoss, file_, ": field '", p.empty() ? "<root>" : p, "': ", why);
 }
 
 bool Field::has(std::string_view key) const {
@@ -28,10 +43,12 @@ bool Field::has(std::string_view key) const {
 Field Field::operator[](std::string_view key) const {
   simdjson::dom::object o;
   if (e_.get_object().get(o)) bad("expected an object");
-  std::string p = path_.empty() ? std::string(key) : path_ + "." + std::string(key);
   simdjson::dom::element v;
-  if (o.at_key(key).get(v)) fail(ErrorCode::kDataLoss, file_, ": field '", p, "' is missing");
-  return Field(v, std::move(p), file_);
+  if (o.at_key(key).get(v)) {
+    const std::string p = path();
+    fail(ErrorCode::kDataLoss, file_, ": field '", p.empty() ? std::string(key) : p + "." + std::string(key), "' is missing");
+  }
+  return Field(v, node(), key, -1, file_);
 }
 
 std::vector<Field> Field::items() const {
@@ -39,7 +56,7 @@ std::vector<Field> Field::items() const {
   if (e_.get_array().get(a)) bad("expected an array");
   std::vector<Field> out;
   out.reserve(a.size());
-  for (simdjson::dom::element v : a) out.emplace_back(v, path_ + "[" + std::to_string(out.size()) + "]", file_);
+  for (simdjson::dom::element v : a) out.push_back(Field(v, node(), std::string_view(), int64_t(out.size()), file_));
   return out;
 }
 
@@ -47,10 +64,7 @@ std::vector<std::pair<std::string, Field>> Field::members() const {
   simdjson::dom::object o;
   if (e_.get_object().get(o)) bad("expected an object");
   std::vector<std::pair<std::string, Field>> out;
-  for (simdjson::dom::key_value_pair kv : o) {
-    std::string k(kv.key);
-    out.emplace_back(k, Field(kv.value, path_.empty() ? k : path_ + "." + k, file_));
-  }
+  for (simdjson::dom::key_value_pair kv : o) out.emplace_back(std::string(kv.key), Field(kv.value, node(), kv.key, -1, file_));
   return out;
 }
 
@@ -86,8 +100,16 @@ bool Field::boolean() const {
 }
 
 std::vector<int64_t> Field::i64s() const {
+  simdjson::dom::array a;
+  if (e_.get_array().get(a)) bad("expected an array");
   std::vector<int64_t> v;
-  for (const Field& f : items()) v.push_back(f.i64());
+  v.reserve(a.size());
+  for (simdjson::dom::element x : a) {
+    int64_t n = 0;
+    if (x.type() != simdjson::dom::element_type::INT64 || x.get_int64().get(n))
+      Field(x, node(), std::string_view(), int64_t(v.size()), file_).i64();  // names the element, throws
+    v.push_back(n);
+  }
   return v;
 }
 
@@ -95,14 +117,30 @@ std::string Field::minified() const { return simdjson::minify(e_); }
 
 namespace {
 
+// Where refuse_duplicate_keys is in the document: a chain of its callers' frames on the stack,
+// turned into a path ("pieces[3].len") only for a message.
+struct At {
+  const At* up;
+  std::string_view key;  // a member's key, or
+  size_t index;          // an array element's index (key empty)
+  std::string path() const {
+    if (!up) return std::string();
+    std::string p = up->path();
+    if (key.empty()) return p + "[" + std::to_string(index) + "]";
+    return p.empty() ? std::string(key) : p + "." + std::string(key);
+  }
+};
+
 // A key given twice in one object: simdjson's lookups take the first, Python's json and
 // nlohmann the last, so two tools would read different metadata. Refused, naming the key.
-void refuse_duplicate_keys(simdjson::dom::element e, const std::string& path, const std::string& file) {
+void refuse_duplicate_keys(simdjson::dom::element e, const At& at, const std::string& file) {
+  const auto nested = [](simdjson::dom::element v) {
+    return v.type() == simdjson::dom::element_type::ARRAY || v.type() == simdjson::dom::element_type::OBJECT;
+  };
   if (e.type() == simdjson::dom::element_type::ARRAY) {
     size_t i = 0;
     for (simdjson::dom::element v : simdjson::dom::array(e)) {
-      if (v.type() == simdjson::dom::element_type::ARRAY || v.type() == simdjson::dom::element_type::OBJECT)
-        refuse_duplicate_keys(v, path + "[" + std::to_string(i) + "]", file);
+      if (nested(v)) refuse_duplicate_keys(v, At{&at, std::string_view(), i}, file);
       ++i;
     }
     return;
@@ -111,14 +149,16 @@ void refuse_duplicate_keys(simdjson::dom::element e, const std::string& path, co
   std::vector<std::string_view> keys;
   for (simdjson::dom::key_value_pair kv : simdjson::dom::object(e)) {
     keys.push_back(kv.key);
-    if (kv.value.type() == simdjson::dom::element_type::ARRAY || kv.value.type() == simdjson::dom::element_type::OBJECT)
-      refuse_duplicate_keys(kv.value, path.empty() ? std::string(kv.key) : path + "." + std::string(kv.key), file);
+    // An empty key is a member too: give it a name that is not an array index.
+    if (nested(kv.value)) refuse_duplicate_keys(kv.value, At{&at, kv.key.empty() ? std::string_view("\"\"") : kv.key, 0}, file);
   }
   std::sort(keys.begin(), keys.end());
   for (size_t k = 1; k < keys.size(); ++k)
-    if (keys[k] == keys[k - 1])
+    if (keys[k] == keys[k - 1]) {
+      const std::string path = at.path();
       fail(ErrorCode::kDataLoss, file, ": key '", keys[k], "' appears twice in ", path.empty() ? "the top-level object" : "field '" + path + "'",
            " (readers disagree on which one counts)");
+    }
 }
 
 }  // namespace
@@ -138,7 +178,7 @@ JsonDoc::JsonDoc(std::string_view text, std::string file) : file_(std::move(file
     }
     fail(ErrorCode::kDataLoss, file_, " is not valid JSON: ", why);
   }
-  refuse_duplicate_keys(root_, "", file_);
+  refuse_duplicate_keys(root_, At{nullptr, std::string_view(), 0}, file_);
 }
 
 namespace {
