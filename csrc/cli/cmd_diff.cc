@@ -455,11 +455,11 @@ Command diff_command() {
       j["num_bitwise"] = bitwise;
       std::cout << j.dump(2) << std::endl;
     } else {
-      for (const auto& n : header_notes) std::printf("note: %s\n", n.c_str());
+      for (const auto& n : header_notes) std::printf("note: %s\n", detail::one_line(n).c_str());
       for (const auto& r : results) {
         std::string d = r.comparable ? fmt(r.max_abs_diff) : "-";
-        std::printf("%-8s %s (%s): max |diff| %s%s%s\n", r.ok ? "equal" : "DIFFERS", r.tensor.c_str(), r.state.c_str(),
-                    d.c_str(), r.bitwise ? " (bitwise)" : "", r.note.empty() ? "" : ("  [" + r.note + "]").c_str());
+        std::printf("%-8s %s (%s): max |diff| %s%s%s\n", r.ok ? "equal" : "DIFFERS", detail::one_line(r.tensor).c_str(), r.state.c_str(),
+                    d.c_str(), r.bitwise ? " (bitwise)" : "", r.note.empty() ? "" : detail::one_line("  [" + r.note + "]").c_str());
       }
       std::printf("%zu tensor(s) compared: %zu equal (%zu bitwise), %zu differ%s\n", results.size(), equal, bitwise,
                   results.size() - equal, a->atol > 0 ? (" (atol " + fmt(a->atol) + ")").c_str() : "");

@@ -86,7 +86,7 @@ Command plan_command() {
                   plan.target_bytes / 1e9);
       std::printf("  %d wave(s), %zu fragments, peak staging %.3f GiB per rank, planned in %.3f s\n", plan.num_waves,
                   plan.fragments.size(), plan.peak_staging_bytes_per_rank / double(1 << 30), secs);
-      for (const auto& n : plan.notes) std::printf("  note: %s\n", n.c_str());
+      for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
     }
     return 0;
   };

@@ -47,7 +47,7 @@ Command synth_command() {
     const std::string step = a->step.empty() ? "step-" + std::to_string(1 + a->seed % 1000) : a->step;
     synth_checkpoint(a->out, m, t, a->seed, step);
     std::printf("wrote %s/%s: model %s, layout %s, %d rank file(s), %.3f GB of state, seed %llu\n", a->out.c_str(),
-                step.c_str(), m.name.c_str(), t.to_string().c_str(), t.world_size(), L.total_bytes() / 1e9,
+                step.c_str(), detail::one_line(m.name).c_str(), t.to_string().c_str(), t.world_size(), L.total_bytes() / 1e9,
                 (unsigned long long)a->seed);
     return 0;
   };

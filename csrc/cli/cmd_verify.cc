@@ -116,13 +116,13 @@ Command verify_command() {
       std::cout << j.dump(2) << std::endl;
     } else {
       if (ckpt)
-        std::printf("%s: %s checkpoint, layout %s, %zu file(s), %zu piece(s)\n", ckpt->path().c_str(),
-                    ckpt->writer().c_str(), ckpt->source().layout.topo.to_string().c_str(), ckpt->source().files.size(),
+        std::printf("%s: %s checkpoint, layout %s, %zu file(s), %zu piece(s)\n", detail::one_line(ckpt->path()).c_str(),
+                    detail::one_line(ckpt->writer()).c_str(), ckpt->source().layout.topo.to_string().c_str(), ckpt->source().files.size(),
                     ckpt->source().layout.pieces.size());
-      for (const auto& m : missing) std::printf("missing: %s\n", m.c_str());
-      for (const auto& p : problems) std::printf("problem: %s\n", p.c_str());
-      for (const auto& u : uncovered) std::printf("uncovered: %s\n", u.c_str());
-      for (const auto& d : disagree) std::printf("weights differ from master: %s\n", d.c_str());
+      for (const auto& m : missing) std::printf("missing: %s\n", detail::one_line(m).c_str());
+      for (const auto& p : problems) std::printf("problem: %s\n", detail::one_line(p).c_str());
+      for (const auto& u : uncovered) std::printf("uncovered: %s\n", detail::one_line(u).c_str());
+      for (const auto& d : disagree) std::printf("weights differ from master: %s\n", detail::one_line(d).c_str());
       std::string checked;
       if (masters_run)
         checked = masters.tensors_checked

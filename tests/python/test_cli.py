@@ -125,3 +125,21 @@ def test_bad_model_file_names_field(tmp_path):
 def test_missing_model_file_exit_2():
     r = run("plan", "--model", "/nonexistent/model.yaml", "--source", "tp=1", "--target", "tp=1")
     assert r.returncode == 2 and "/nonexistent/model.yaml" in r.stderr
+
+
+def test_text_read_from_files_prints_on_one_line(tmp_path):
+    """A model name holding a newline (a YAML "\\n") is stored as given; synth, inspect and verify
+    print it escaped, so it cannot forge a line of their reports (a 'problem:' line here)."""
+    yaml = (ROOT / "configs/models/tiny-gpt.yaml").read_text()
+    lines = [('name: "tiny\\nproblem: forged"' if l.startswith("name:") else l) for l in yaml.splitlines()]
+    model = tmp_path / "nl.yaml"
+    model.write_text("\n".join(lines) + "\n")
+    ck = tmp_path / "ck"
+    outs = [run("synth", ck, "--model", model, "--layout", "tp=1,dp=1,zero=0")]
+    outs += [run("inspect", ck), run("verify", ck)]
+    for r in outs:
+        assert r.returncode == 0, r.stderr
+        assert not any(l.startswith("problem: forged") for l in r.stdout.splitlines()), r.stdout
+    assert "model tiny\\x0aproblem: forged" in outs[0].stdout
+    assert "model tiny\\x0aproblem: forged" in outs[1].stdout
+    assert json.loads(run("inspect", ck, "--json").stdout)["model"]["name"] == "tiny\nproblem: forged"
