@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "cli/commands.h"
+#include "formats/native/native_internal.h"
 #include "io/file.h"
 #include "reshard/checkpoint.h"
 #include "reshard/comm.h"
@@ -108,6 +109,71 @@ std::vector<std::string> gather_lines(Communicator* comm, const std::vector<std:
   }
   return all;
 }
+
+bool ends_with(const std::string& s, const std::string& suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+// Holds DeepSpeed's per-step files (mp_rank_*_model_states.pt, layer_*-model_states.pt, ...).
+bool holds_deepspeed_step(const std::string& dir) {
+  if (!io::is_dir(dir)) return false;
+  for (const auto& n : io::list_dir(dir))
+    if (ends_with(n, "_model_states.pt")) return true;
+  return false;
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa, sb;
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+// What convert may write at OUT (`out`, resolved; `shown`, as given): a checkpoint root that is
+// not a step folder, not a DeepSpeed root (its `latest` would then name a native step DeepSpeed
+// cannot load), not inside the source step folder, whose OUT/<step> is free (or a step folder
+// with --overwrite) and whose `latest` can be replaced. Refused before anything is written:
+// the commit renames the step in first and `latest` last, and a `latest` that cannot be
+// replaced then would leave OUT changed by a convert that failed.
+void check_output(const std::string& out, const std::string& shown, const std::string& step,
+                  const std::string& source_step_dir, bool overwrite) {
+  if (io::exists(out) && !io::is_dir(out)) fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " is a file; give a folder");
+  const std::string src_real = real_path(source_step_dir) + "/";
+  if ((out + "/").compare(0, src_real.size(), src_real) == 0)
+    fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " is inside the source step folder ", source_step_dir,
+         "; give the output root outside it");
+  if (io::is_dir(out)) {
+    if (io::is_file(io::join(out, native::kMetadataFile)) || holds_deepspeed_step(out))
+      fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " is a checkpoint's step folder (it holds ",
+           io::is_file(io::join(out, native::kMetadataFile)) ? native::kMetadataFile : "*_model_states.pt",
+           "); give a checkpoint root: convert writes OUT/<step> and OUT/latest");
+    const std::string ds_latest = io::join(out, "latest_checkpointed_iteration.txt");
+    bool ds_root = io::exists(ds_latest);
+    for (const auto& n : io::list_dir(out)) ds_root = ds_root || holds_deepspeed_step(io::join(out, n));
+    if (ds_root)
+      fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " is a DeepSpeed checkpoint root (it holds DeepSpeed "
+           "step folders); convert would write a native step and replace its `latest`, which DeepSpeed's own load "
+           "follows: give another OUT");
+  }
+  const std::string dst = io::join(out, step);
+  std::error_code ec;
+  const auto dst_status = std::filesystem::symlink_status(dst, ec);
+  if (std::filesystem::exists(dst_status)) {
+    if (same_file(dst, source_step_dir))
+      fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " step ", step,
+           " is the source step folder itself; write elsewhere or choose --step");
+    if (!std::filesystem::is_directory(dst_status) && !std::filesystem::is_symlink(dst_status))
+      fail(ErrorCode::kInvalidArgument, "convert: ", io::join(shown, step),
+           " exists and is not a folder; remove it or choose another --step (--overwrite replaces step folders only)");
+    if (!overwrite)
+      fail(ErrorCode::kInvalidArgument, "convert: ", io::join(shown, step),
+           io::is_file(io::join(dst, native::kMetadataFile)) ? " already holds a checkpoint" : " already exists",
+           "; pass --overwrite to replace it or choose another --step");
+  }
+  const std::string latest = io::join(out, native::kLatestFile);
+  const auto latest_status = std::filesystem::symlink_status(latest, ec);
+  if (std::filesystem::is_directory(latest_status))
+    fail(ErrorCode::kInvalidArgument, "convert: ", io::join(shown, native::kLatestFile),
+         " is a folder; the save replaces `latest` with a file naming the new step: remove it or give another OUT");
+}
 }  // namespace
 
 Command convert_command() {
@@ -167,25 +233,15 @@ Command convert_command() {
       lo.weights_on_dp0_only = true;  // a saved checkpoint holds dp-replicated weights once
       const Layout target = layout_like(src, target_topo, lo);  // the source's own tensors at the target
       const std::string step = step_name(*a, *ckpt);
-      if (io::exists(a->out) && !io::is_dir(a->out))
-        fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " is a file; give a folder");
-      // OUT inside the source step folder (e.g. OUT = the step folder itself) would write a new
-      // checkpoint root, `latest` included, among the source's files.
-      {
-        // weakly_canonical: the existing leading part resolved (symlinks, ".."), the rest folded.
-        std::error_code ec;
-        const std::string out_real = std::filesystem::weakly_canonical(a->out, ec).string() + "/";
-        const std::string src_real = real_path(ckpt->path()) + "/";
-        if (out_real.compare(0, src_real.size(), src_real) == 0)
-          fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " is inside the source step folder ", ckpt->path(),
-               "; give the output root outside it");
-      }
-      if (io::is_dir(io::join(a->out, step)) && real_path(io::join(a->out, step)) == real_path(ckpt->path()))
-        fail(ErrorCode::kInvalidArgument, "convert: OUT ", a->out, " step ", step,
-             " is the source step folder itself; write elsewhere or choose --step");
-      if (io::is_dir(io::join(a->out, step)) && !a->overwrite)
-        fail(ErrorCode::kInvalidArgument, "convert: ", io::join(a->out, step),
-             " already holds a checkpoint; pass --overwrite to replace it or choose another --step");
+      native::check_step_name(step);
+      // Every check on OUT works on its path with the existing part resolved and the rest folded
+      // (weakly_canonical), and the writes go there: "missing/../src" names the source root
+      // once "missing" is created, which the kernel would not resolve while it does not exist.
+      std::error_code ec;
+      const std::string out = std::filesystem::weakly_canonical(a->out, ec).string();
+      if (ec || out.empty()) fail(ErrorCode::kInvalidArgument, "convert: cannot resolve OUT ", a->out, ": ", ec.message());
+      check_output(out, a->out, step, ckpt->path(), a->overwrite);
+      a->out = out;
 
       // Plan first: coverage errors (missing files, uncovered ranges) before any read.
       Plan plan;

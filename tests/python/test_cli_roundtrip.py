@@ -104,6 +104,44 @@ def test_convert_step_name_option(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_convert_refuses_outs_that_would_lose_or_hide_data(tmp_path):
+    """Session 13 tester's cases: each refused with exit 2 before anything under OUT changes."""
+    a = synth(tmp_path / "a", "tp=2,dp=1")
+    step = next(p.name for p in a.iterdir() if p.is_dir())  # what convert names the output step
+
+    def refused(out, needle, *extra):
+        before = sorted(str(p) for p in tmp_path.rglob("*"))
+        r = run("convert", a, out, "--target", "tp=1,dp=1,zero=0", *extra)
+        assert r.returncode == 2 and needle in r.stderr, r.stdout + r.stderr
+        assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+    # A file where the step folder goes: kept, with or without --overwrite (it was deleted).
+    (tmp_path / "o1").mkdir()
+    (tmp_path / "o1" / step).write_text("my notes")
+    for extra in ((), ("--overwrite",)):
+        refused(tmp_path / "o1", "exists and is not a folder", *extra)
+    assert (tmp_path / "o1" / step).read_text() == "my notes"
+    # OUT is a step folder of another checkpoint (its root would not show the conversion).
+    other = synth(tmp_path / "other", "tp=1,dp=1", seed=5)
+    refused(next(p for p in other.iterdir() if p.is_dir()), "is a checkpoint's step folder")
+    # OUT is a DeepSpeed root: its `latest` is what DeepSpeed's own load follows.
+    ds = tmp_path / "ds"
+    (ds / "global_step3").mkdir(parents=True)
+    (ds / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (ds / "latest").write_text("global_step3")
+    refused(ds, "is a DeepSpeed checkpoint root")
+    # A `latest` folder: the save could put the step in but not replace `latest`.
+    (tmp_path / "o2" / "latest").mkdir(parents=True)
+    refused(tmp_path / "o2", "latest is a folder")
+    # The source root named through a folder that does not exist yet ("missing/.." resolves only
+    # once it is created): still the source step itself, and "missing" is not created.
+    refused(tmp_path / "missing" / ".." / "a", "is the source step folder itself", "--overwrite")
+    assert not (tmp_path / "missing").exists()
+    # Step names are checked before anything else (the same message with or without --overwrite).
+    for extra in ((), ("--overwrite",)):
+        refused(tmp_path / "o3", "step name '..' is not allowed", "--step", "..", *extra)
+
+
 def mpirun(k, *args):
     return mpi_cli.mpirun(CLI, k, *args)
 

@@ -472,6 +472,42 @@ TEST(DeepSpeedReader, DetectsWriterAndTopologyFromFiles) {
     }
 }
 
+// A model file that contradicts the trainer's `args` (or the files' checkpoint_version) on what
+// decides how fused tensors are cut is refused, naming each field; one that agrees is accepted.
+// Session 13 tester: "swiglu: false, ffn: 256" for this SwiGLU model (ffn 128, same shapes) loaded
+// dense_h_to_4h as [g0;u0;g1;u1] with every check passing.
+TEST(DeepSpeedReader, ModelFileContradictingArgsIsRefused) {
+  REQUIRE_FIXTURE("pipe_pp1_tp2_dp2_z1_fp32_gqa_swiglu_rms_nobias_v300");
+  const std::string dir = testing::make_temp_dir("ds_model_vs_args_");
+  auto with_model = [&](const std::string& swiglu_ffn, const std::string& qkv) {
+    std::ofstream(dir + "/m.yaml") << "name: v300\nnum_layers: 4\nhidden: 64\n" << swiglu_ffn
+                                   << "heads: 8\nquery_groups: 4\nvocab: 300\nvocab_divisible_by: 64\n"
+                                      "max_position_embeddings: 32\ntied_embeddings: false\nbias: false\n"
+                                      "norm: rmsnorm\nparam_dtype: F32\nqkv_version: " << qkv << "\n";
+    OpenOptions oo;
+    oo.model_path = dir + "/m.yaml";
+    return open_deepspeed(step_dir("pipe_pp1_tp2_dp2_z1_fp32_gqa_swiglu_rms_nobias_v300"), oo);
+  };
+  auto refused = [&](const std::string& swiglu_ffn, const std::string& qkv) -> std::string {
+    try {
+      with_model(swiglu_ffn, qkv);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      return e.what();
+    }
+    ADD_FAILURE() << "accepted: " << swiglu_ffn << " qkv_version " << qkv;
+    return "";
+  };
+  EXPECT_TRUE(with_model("ffn: 128\nswiglu: true\n", "3.0")->source().layout.model.swiglu);
+  std::string msg = refused("ffn: 256\nswiglu: false\n", "3.0");
+  for (const char* part : {"disagrees with the trainer's own record (`args`)", "ffn 128 in args, 256 in the model file",
+                           "swiglu true in args, false in the model file"})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  msg = refused("ffn: 128\nswiglu: true\n", "2.0");
+  EXPECT_NE(msg.find("checkpoint_version 3 in the files, qkv_version 2 in the model file"), std::string::npos) << msg;
+  io::remove_all(dir);
+}
+
 // B05: no universal_checkpoint_info and a parameter no rule names. A dp-only change is exact; a tp
 // change is refused naming the tensor (the files do not say how it splits).
 TEST(DeepSpeedFailures, B05_NoLayoutMetadata_DpOnlyExact_TpChangeRefused) {

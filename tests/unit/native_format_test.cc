@@ -214,6 +214,50 @@ TEST(NativeFormat, DataFilesAreValidAlignedSafetensors) {
   io::remove_all(root);
 }
 
+// A save that cannot replace `latest` leaves the root as it was: refused before the step goes
+// in when `latest` is a folder; the step rename undone when replacing `latest` fails after it
+// (an immutable `latest`: session 13 tester, whose convert exited 2 with the old step replaced).
+TEST(NativeFormat, SaveThatCannotReplaceLatestLeavesTheRootAsItWas) {
+  const ModelConfig m = small_model();
+  const Topology t = Topology::parse("tp=1,dp=1,zero=0");
+  const std::string root = testing::make_temp_dir("native_latest_");
+  // Everything in the root, with each file's bytes.
+  auto snapshot = [&] {
+    std::map<std::string, std::string> files;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(root))
+      files[e.path().string()] = e.is_regular_file() ? io::read_text(e.path().string()) : std::string("<dir>");
+    return files;
+  };
+  {
+    io::make_dirs(io::join(root, "latest"));
+    const auto before = snapshot();
+    std::string msg = expect_error(ErrorCode::kFailedPrecondition, [&] { synth_checkpoint(root, m, t, 3); });
+    EXPECT_HAS(msg, "latest is a folder");
+    EXPECT_EQ(snapshot(), before);
+    io::remove_all(io::join(root, "latest"));
+  }
+  synth_checkpoint(root, m, t, 3);
+  const auto before = snapshot();
+  const std::string latest = io::join(root, "latest");
+  if (std::system(("chattr +i '" + latest + "' 2>/dev/null").c_str()) != 0) {
+    io::remove_all(root);
+    GTEST_SKIP() << "chattr +i is not available here (needs root and a filesystem with the immutable flag)";
+  }
+  std::string msg;
+  try {
+    synth_checkpoint(root, m, t, 4);  // the same step name, other values: replaces step-1
+    msg = "<no error>";
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  std::system(("chattr -i '" + latest + "'").c_str());
+  EXPECT_NE(msg, "<no error>");
+  EXPECT_EQ(snapshot(), before) << msg;  // the old step-1 and `latest`, no leftover
+  auto r = open_checkpoint(root);
+  EXPECT_EQ(r->state().step, 1 + 3);  // synth's step is 1 + seed
+  io::remove_all(root);
+}
+
 TEST(NativeFormat, CollectiveSaveWithLocalCommunicator) {
   const ModelConfig m = small_model();
   const Layout L = saved_layout(m, "tp=1,dp=1,zero=1");

@@ -759,6 +759,38 @@ void Builder::model_config() {
     cfg = load_model_config(opt.model_path);
     cfg_origin = opt.model_path;
     note("model description from " + opt.model_path + " (QKV row meaning, SwiGLU, query groups, vocab)");
+    // The model file fills in what the files cannot prove; where the trainer's `args` record a
+    // field too, the two must agree. A model file that says "no SwiGLU" for a SwiGLU model of the
+    // same shapes cut dense_h_to_4h as [g0;u0;g1;u1] with every check passing (session 13 tester).
+    if (args && args->kind == Kind::Object) {
+      std::string differ;
+      auto same = [&](const char* field, const std::string& in_args, const std::string& in_file) {
+        if (in_args != in_file)
+          differ += std::string(differ.empty() ? "" : "; ") + field + " " + in_args + " in args, " + in_file + " in the model file";
+      };
+      auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+      if (auto v = opt_int(get(args, "num_layers"))) same("num_layers", std::to_string(*v), std::to_string(cfg.num_layers));
+      if (auto v = opt_int(get(args, "hidden_size"))) same("hidden", std::to_string(*v), std::to_string(cfg.hidden));
+      if (auto v = opt_int(get(args, "num_attention_heads"))) same("heads", std::to_string(*v), std::to_string(cfg.heads));
+      if (auto v = opt_int(get(args, "ffn_hidden_size"))) same("ffn", std::to_string(*v), std::to_string(cfg.ffn));
+      {
+        std::optional<int64_t> groups;
+        auto gqa = opt_bool(get(args, "group_query_attention"));
+        if (gqa && *gqa) groups = opt_int(get(args, "num_query_groups"));
+        if (!groups) groups = opt_int(get(args, "num_key_value_heads"));
+        if (!groups && (!gqa || *gqa)) groups = opt_int(get(args, "num_query_groups"));
+        if (gqa && !*gqa) groups = opt_int(get(args, "num_attention_heads"));  // MHA: one group per head
+        if (groups) same("query groups", std::to_string(*groups), std::to_string(cfg.groups()));
+      }
+      if (auto v = opt_bool(get(args, "swiglu"))) same("swiglu", b(*v), b(cfg.swiglu));
+      if (auto v = opt_bool(get(args, "untie_embeddings_and_output_weights")))
+        same("tied_embeddings", b(!*v), b(cfg.tied_embeddings));
+      if (!differ.empty())
+        fail(ErrorCode::kInvalidArgument, first->path, ": the model file ", opt.model_path,
+             " disagrees with the trainer's own record (`args`) in the checkpoint: ", differ,
+             ". These decide how fused tensors (QKV, SwiGLU) are cut; loading under the wrong one gives wrong values "
+             "with every check passing. Fix the model file, or leave it out to use `args`");
+    }
   } else {
     if (!args || args->kind != Kind::Object)
       fail(ErrorCode::kInvalidArgument, first->path, ": no `args` Namespace to read the model description from; give a model "
@@ -805,8 +837,11 @@ void Builder::model_config() {
     cfg.qkv_version = cv ? *cv : 0.0;
     if (!cv) note("no checkpoint_version: QKV rows read as version 0 ([3, np, hn] per rank), as DeepSpeed does");
   } else if (cv && *cv != cfg.qkv_version) {
-    note("checkpoint_version " + std::to_string(*cv) + " in the files, qkv_version " + std::to_string(cfg.qkv_version) +
-         " in " + opt.model_path + ": the model file wins");
+    // The files record the QKV row order they were written in; the model file cannot change it.
+    fail(ErrorCode::kInvalidArgument, first->path, ": checkpoint_version ", *cv, " in the files, qkv_version ",
+         cfg.qkv_version, " in the model file ", opt.model_path, ": the QKV rows were saved in the files' order; "
+         "loading them as another gives wrong values with every check passing. Fix qkv_version in the model file "
+         "(or leave the file out)");
   }
   // Vocab: V from universal_checkpoint_info.original_vocab_size (or the model file), Vp from files.
   std::optional<int64_t> V = opt_int(get(uci, "original_vocab_size"));

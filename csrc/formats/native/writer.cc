@@ -167,32 +167,68 @@ bool is_any_leftover(const std::string& name) {
   return true;
 }
 
-/// Rank 0's part after every data file is written and fsynced: metadata, rename, latest.
+/// Rank 0's part after every data file is written and fsynced: metadata, the step folder
+/// renamed (or exchanged) in, then `latest`. Anything that can fail without changing ROOT runs
+/// before the step goes in: the new `latest` is written to its temporary name first (a full disk
+/// fails there), and a `latest` that is a folder is refused. When replacing `latest` still fails
+/// (a file made immutable, a filesystem gone read-only), the step rename is undone, so a failed
+/// save leaves ROOT as it was: the old step and the old `latest`.
 void commit_step(const std::string& root, const std::string& step, const std::string& tmpdir,
                  const std::string& nonce, const std::string& metadata) {
   io::write_text(io::join(tmpdir, kMetadataFile), metadata);
   io::fsync_dir(tmpdir);
   const std::string final_dir = io::join(root, step);
-  if (io::exists(final_dir)) {
-    // Swap the new folder in atomically; the old one ends up at tmpdir and is removed.
-    if (io::exchange_paths(tmpdir, final_dir)) {
-      io::fsync_dir(root);
-      io::remove_all(tmpdir);
-    } else {  // no RENAME_EXCHANGE on this filesystem: a short window without ROOT/<step>
-      const std::string aside = io::join(root, ".old-" + step + "-" + nonce);
-      io::rename_path(final_dir, aside);
-      io::rename_path(tmpdir, final_dir);
-      io::fsync_dir(root);
-      io::remove_all(aside);
-    }
-  } else {
-    io::rename_path(tmpdir, final_dir);
-    io::fsync_dir(root);
-  }
+  const std::string latest = io::join(root, kLatestFile);
+  if (io::is_dir(latest))
+    fail(ErrorCode::kFailedPrecondition, "save: ", latest, " is a folder; the save replaces `latest` with a file naming "
+         "the new step. Nothing was saved: remove it or save elsewhere");
   const std::string tmp_latest = io::join(root, ".latest-" + nonce);
   io::write_text(tmp_latest, step + "\n");
-  io::rename_path(tmp_latest, io::join(root, kLatestFile));
+  enum class How { kFresh, kExchanged, kAside } how = How::kFresh;
+  const std::string aside = io::join(root, ".old-" + step + "-" + nonce);
+  try {
+    if (io::exists(final_dir)) {
+      // Swap the new folder in atomically; the old one ends up at tmpdir and is removed once
+      // `latest` is in.
+      if (io::exchange_paths(tmpdir, final_dir)) {
+        how = How::kExchanged;
+      } else {  // no RENAME_EXCHANGE on this filesystem: a short window without ROOT/<step>
+        io::rename_path(final_dir, aside);
+        how = How::kAside;
+        io::rename_path(tmpdir, final_dir);
+      }
+    } else {
+      io::rename_path(tmpdir, final_dir);
+    }
+    io::fsync_dir(root);
+    io::rename_path(tmp_latest, latest);
+  } catch (...) {
+    // Undo what went in; the caller removes tmpdir (the new data again, after the undo).
+    try {
+      switch (how) {
+        case How::kFresh:
+          if (!io::exists(tmpdir)) io::rename_path(final_dir, tmpdir);
+          break;
+        case How::kExchanged:
+          io::exchange_paths(tmpdir, final_dir);
+          break;
+        case How::kAside:
+          if (!io::exists(tmpdir)) io::rename_path(final_dir, tmpdir);
+          io::rename_path(aside, final_dir);
+          break;
+      }
+      io::fsync_dir(root);
+    } catch (...) {
+    }
+    try {
+      io::remove_all(tmp_latest);
+    } catch (...) {
+    }
+    throw;
+  }
   io::fsync_dir(root);
+  if (how == How::kExchanged) io::remove_all(tmpdir);
+  if (how == How::kAside) io::remove_all(aside);
   // Leftovers of earlier crashed saves (any step): each can be as large as a checkpoint. Saves
   // into one root are not concurrent (docs/format.md), so whatever is left now is dead.
   for (const auto& n : io::list_dir(root)) {
