@@ -3,6 +3,7 @@
 // "reshard: error: <message>" to stderr, never a stack trace.
 #include <CLI/CLI.hpp>
 
+#include <csignal>
 #include <cstdio>
 #include <iostream>
 
@@ -10,6 +11,9 @@
 #include "reshard/error.h"
 
 int main(int argc, char** argv) {
+  // A write past the file size limit (ulimit -f) fails with EFBIG, which the writers report naming
+  // the file, instead of killing the process with no message (SIGXFSZ's default).
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"reshard: reshard checkpoints (weights and optimizer state) between parallel layouts"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");

@@ -143,3 +143,27 @@ def test_text_read_from_files_prints_on_one_line(tmp_path):
     assert "model tiny\\x0aproblem: forged" in outs[0].stdout
     assert "model tiny\\x0aproblem: forged" in outs[1].stdout
     assert json.loads(run("inspect", ck, "--json").stdout)["model"]["name"] == "tiny\nproblem: forged"
+
+
+def test_odd_latest_files_and_file_size_limit_get_clear_errors(tmp_path):
+    """Session 13 tester: a `latest` linked to a long file printed 4 KB of it; a `latest` folder was
+    reported as "no `latest` file"; under `ulimit -f` synth died of SIGXFSZ with no message."""
+    ck = tmp_path / "ck"
+    assert run("synth", ck, "--model", "tiny-gpt", "--layout", "tp=1,dp=1,zero=0").returncode == 0
+    (ck / "latest").unlink()
+    (tmp_path / "long.txt").write_text("x" * 3000)
+    (ck / "latest").symlink_to(tmp_path / "long.txt")
+    r = run("inspect", ck)
+    assert r.returncode == 2 and "(3000 bytes, cut)" in r.stderr and len(r.stderr) < 600, r.stderr
+    (ck / "latest").unlink()
+    (ck / "latest").mkdir()
+    r = run("inspect", ck)
+    assert r.returncode == 2 and "latest is not a regular file" in r.stderr, r.stderr
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100 << 10, 100 << 10))
+
+    r = subprocess.run([str(CLI), "synth", tmp_path / "big", "--model", "tiny-gpt", "--layout", "tp=1,dp=1,zero=0"],
+                       capture_output=True, text=True, timeout=120, preexec_fn=small_files)
+    assert r.returncode == 2 and "File too large" in r.stderr and "rank_00000.safetensors" in r.stderr, r.stderr

@@ -377,7 +377,11 @@ def test_resume_config_fields_are_checked_by_type_and_named(tmp_path):
              (base + "policies: [replicas]\n", "field policies must be a mapping"),
              (base + "policies: first\n", "field policies must be a mapping"),
              (base + "policies: {[a]: 1}\n", "is not a name"),
-             (base + "policies: {replicas: [first]}\n", "field replicas: cannot read")]
+             (base + "policies: {replicas: [first]}\n", "field replicas: cannot read"),
+             # Session 13 tester: a second document was ignored, 1e-300 GiB became a 0-byte budget.
+             (base + "---\ncheckpoint: {root: /y}\ntarget: tp=2\n", "holds 2 YAML documents"),
+             (base + "policies: {memory_budget_gib: 1e-300}\n", "policies.memory_budget_gib gives 0 bytes, below"),
+             (base + "policies: {memory_budget_bytes: 100}\n", "policies.memory_budget_bytes gives 100 bytes, below")]
     for text, msg in cases:
         f.write_text(text)
         with pytest.raises(reshard.InvalidArgument, match=msg) as e:
@@ -385,6 +389,15 @@ def test_resume_config_fields_are_checked_by_type_and_named(tmp_path):
         assert str(f) in str(e.value)
     with pytest.raises(reshard.InvalidArgument, match="is a folder"):
         reshard.load_resume_config(str(tmp_path))
+    # A path to a device was read without end (7.5 GB in 15 s); a large file is refused by size.
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    with pytest.raises(reshard.InvalidArgument, match="is not a regular file"):
+        reshard.load_resume_config(str(tmp_path / "zero.yaml"))
+    with pytest.raises(reshard.InvalidArgument, match="is not a regular file"):
+        reshard.model_config(str(tmp_path / "zero.yaml"))
+    (tmp_path / "big.yaml").write_text(base + "#" * (2 << 20) + "\n")
+    with pytest.raises(reshard.InvalidArgument, match="a model or resume file is a few KB"):
+        reshard.load_resume_config(str(tmp_path / "big.yaml"))
     ck = str(tmp_path / "ck")
     reshard.synth_checkpoint(ck, reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1", 1)
     with pytest.raises(reshard.InvalidArgument, match="both given"):

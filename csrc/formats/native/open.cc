@@ -1,6 +1,7 @@
 // open_checkpoint: detects the format of a path and resolves the step folder to open.
 #include <algorithm>
 #include <cctype>
+#include <filesystem>
 
 #include "formats/deepspeed/deepspeed_reader.h"
 #include "formats/native/native_internal.h"
@@ -147,11 +148,13 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
     notes.push_back("loading the asked step " + step);
   } else if (io::is_file(latest)) {
     step = trim(io::read_text(latest, 4096));
-    if (!plain_name(step))
-      fail(ErrorCode::kDataLoss, latest, " holds '", step, "', which is not a step folder name");
+    // What `latest` holds, cut at 40 bytes in messages (it may be a link to any file).
+    const std::string shown = "'" + step.substr(0, 40) + "'" +
+                              (step.size() > 40 ? " (" + std::to_string(step.size()) + " bytes, cut)" : std::string());
+    if (!plain_name(step)) fail(ErrorCode::kDataLoss, latest, " holds ", shown, ", which is not a step folder name");
     if (!io::is_dir(io::join(path, step)))
-      fail(ErrorCode::kNotFound, latest, " names step '", step, "' but ", io::join(path, step),
-           " does not exist; available steps: ", join_list(steps));
+      fail(ErrorCode::kNotFound, latest, " names step ", shown, " but no such folder exists in ", path,
+           "; available steps: ", join_list(steps));
     notes.push_back("`latest` names " + step);
   } else if (io::is_file(megatron_latest)) {
     std::string it = trim(io::read_text(megatron_latest, 4096));
@@ -166,6 +169,10 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
            io::join(path, candidates[0]), " nor ", io::join(path, candidates[1]), " exists; available steps: ",
            join_list(steps));
     notes.push_back("latest_checkpointed_iteration.txt names " + step);
+  } else if (std::error_code ec; std::filesystem::exists(std::filesystem::symlink_status(latest, ec))) {
+    // Something named `latest` that is not a readable regular file: say so, not "no latest".
+    fail(ErrorCode::kDataLoss, latest, " is not a regular file (a folder, FIFO, device or a link to none of a file); "
+         "it should hold the name of the step to load. Steps found: ", join_list(steps), "; choose one (--step)");
   } else if (!steps.empty()) {
     fail(ErrorCode::kNotFound, path, " has no `latest` file and no step was asked; steps found: ", join_list(steps),
          "; choose one (--step)");
