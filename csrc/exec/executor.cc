@@ -85,6 +85,17 @@ class MappedChunkDrops {
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Runs a copy into target buffer `b`; an error it raises (a value that does not fit the target
+// dtype) names the buffer.
+template <typename Fn>
+void naming_buffer(const Buffer& b, Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    throw Error(e.code(), "buffer " + b.name + ": " + e.what());
+  }
+}
+
 std::string prefix(const Communicator& c) {
   return "[rank " + std::to_string(c.rank()) + "/" + std::to_string(c.size()) + "] ";
 }
@@ -541,6 +552,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       for (size_t i : copied) poison_live_copies(plan, target, buffers, me, plan.fragments[i]);
     }
   } unchecked_twins{plan, target, buffers, me, {}};
+  std::string late_err;  // the first error of a scatter or fan-out copy on this rank (see below)
   for (int w = 0; w < plan.num_waves; ++w) {
     const size_t lo = wave_begin[w], hi = wave_begin[w + 1];
     std::vector<uint64_t> send_counts(W, 0), recv_counts(W, 0);
@@ -755,11 +767,13 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       const Buffer& b = target.buffers[dv.buffer];
       const Box rel = at_origin(f.box);
       uint8_t* dst = live_at(target, buffers, dv.buffer, dv.base);
-      if (c.src_strided) {
-        copy_box(c.src, f.src_dtype, f.src_strides, dst, b.dtype, dv.strides, rel, Store::kStream);
-      } else {
-        unpack_box(c.src, f.src_dtype, dst, b.dtype, rel, dv.strides, Store::kStream);
-      }
+      naming_buffer(b, [&] {
+        if (c.src_strided) {
+          copy_box(c.src, f.src_dtype, f.src_strides, dst, b.dtype, dv.strides, rel, Store::kStream);
+        } else {
+          unpack_box(c.src, f.src_dtype, dst, b.dtype, rel, dv.strides, Store::kStream);
+        }
+      });
     };
     // Send-slot copies first (the exchange reads them); then the local copies into live tensors run
     // on the pool while this thread runs the all-to-all-v, so a rank copies while it waits for its
@@ -798,8 +812,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
           const Buffer& b = target.buffers[dv.buffer];
           int64_t at = dv.base;
           for (int d = 0; d < slab.ndim; ++d) at += slab.off[d] * dv.strides[d];
-          copy_box(c0.src + off, f.src_dtype, f.src_strides, live_at(target, buffers, dv.buffer, at), b.dtype, dv.strides,
-                   at_origin(slab), Store::kStream);
+          naming_buffer(b, [&] {
+            copy_box(c0.src + off, f.src_dtype, f.src_strides, live_at(target, buffers, dv.buffer, at), b.dtype, dv.strides,
+                     at_origin(slab), Store::kStream);
+          });
         }
       });
       if (bad.empty()) return;
@@ -877,16 +893,18 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       const Delivery& dv = plan.deliveries[rx[k].second];
       const Buffer& b = target.buffers[dv.buffer];
       const Box rel = at_origin(f.box);
-      unpack_box(rx[k].first, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base),
-                 b.dtype, rel, dv.strides, Store::kStream);
+      naming_buffer(b, [&] {
+        unpack_box(rx[k].first, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base), b.dtype, rel, dv.strides,
+                   Store::kStream);
+      });
     });
     for (size_t k = 0; k < rx.size(); ++k) {
       written = true;
       wrote(plan.deliveries[rx[k].second].buffer, plan.fragments[rx_frag[k]].box.numel());
     }
-    if (!serr.empty())
-      fail(ErrorCode::kFailedPrecondition, prefix(comm), "scatter failed after live tensors were partly written; the live "
-           "state is unusable and the trainer must abort: ", serr);
+    // Raised on every rank after the last wave (late_err): a rank that raised here alone would
+    // leave its peers waiting in the next collective.
+    if (!serr.empty() && late_err.empty()) late_err = "scatter of wave " + std::to_string(w) + ": " + serr;
     st.scatter_seconds += seconds_since(ts);
     // Group fan-out: every rank walks the wave's fan-out fragments in plan order and joins the
     // broadcasts of the groups it belongs to (same order everywhere, so no cycle can form).
@@ -926,9 +944,15 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         const Delivery& dv = plan.deliveries[f.first_delivery + j];
         if (dv.rank != me) continue;
         const Buffer& b = target.buffers[dv.buffer];
-        unpack_box(data, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base),
-                   b.dtype, rel, dv.strides, Store::kStream);
         written = true;
+        try {
+          naming_buffer(b, [&] {
+            unpack_box(data, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base), b.dtype, rel, dv.strides,
+                       Store::kStream);
+          });
+        } catch (const Error& e) {
+          if (late_err.empty()) late_err = "group fan-out of wave " + std::to_string(w) + ": " + e.what();
+        }
         wrote(dv.buffer, rel.numel());
       }
     }
@@ -937,6 +961,8 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   }
 
 
+  agree_or_throw(comm, late_err.empty() ? "" : prefix(comm) + late_err, ErrorCode::kFailedPrecondition,
+                 "writing received fragments into live tensors", written);
   unchecked_twins.armed = false;
   // Buffers of tensors the checkpoint lacks (strict_missing off) stay as they were: nothing to check.
   comm.barrier();

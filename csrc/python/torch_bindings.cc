@@ -261,6 +261,11 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
     if (!any_device && !t.device().is_cpu())
       fail(ErrorCode::kUnsupported, what, ": buffer ", b.name, " is on ", t.device().str(),
            "; this build writes CPU tensors only (stage through a CPU tensor)");
+    // Tensors without plain strided storage (mkldnn, sparse, nested, wrapper subclasses): their
+    // data_ptr() is not the buffer's bytes, or there is none.
+    if (t.layout() != c10::kStrided || !t.has_storage() || t.is_nested())
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has no plain strided storage (layout ",
+           c10::toString(t.layout()), t.is_nested() ? ", nested" : "", "); give a dense tensor");
     if (!t.is_contiguous())
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " is not contiguous");
     // A lazy negation or conjugation view (torch._neg_view, .conj()) reads back transformed: the
@@ -269,12 +274,27 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " is a ",
            t.is_neg() ? "negation" : "conjugation", " view (its bytes are not its values); pass ",
            t.is_neg() ? "t.resolve_neg()" : "t.resolve_conj()", " or a plain tensor");
+    try {
+      (void)dtype_of(t);
+    } catch (const Error& e) {
+      fail(ErrorCode::kUnsupported, what, ": tensor for buffer ", b.name, ": ", e.what(), " (the layout says ",
+           dtype_name(b.dtype), ")");
+    }
     if (dtype_of(t) != b.dtype)
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has dtype ", dtype_name(dtype_of(t)),
            " but the layout says ", dtype_name(b.dtype));
     if (t.numel() != b.numel)
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has ", t.numel(),
            " elements but the layout says ", b.numel);
+    // The storage must hold the tensor's bytes from its offset: a storage shrunk with
+    // untyped_storage().resize_() (as FSDP frees parameters) keeps the tensor's size, and writing
+    // its numel would run past the allocation (session 13 tester: heap corruption).
+    const uint64_t need = (uint64_t(t.storage_offset()) + uint64_t(t.numel())) * uint64_t(t.element_size());
+    const uint64_t have = uint64_t(t.storage().nbytes());
+    if (b.numel > 0 && (need > have || t.storage().data() == nullptr))
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " needs ", need, " bytes of storage from ",
+           "its start but its storage holds ", have, " (freed or shrunk, e.g. untyped_storage().resize_()); give a ",
+           "tensor with its memory");
     if (!any_device) ptrs[i] = t.data_ptr();
   }
   // No two buffers in the same memory, device by device (addresses of two devices may coincide).

@@ -118,8 +118,13 @@ def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[fl
         raise InvalidArgument(f"allocate needs a Layout (reshard.derive_layout(model, topology) or "
                               f"checkpoint.layout), not {type(layout).__name__} {layout!r:.80}")
     world = parse_topology(layout.topology)["world_size"]
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise InvalidArgument(f"allocate: rank must be an int, got {rank!r}")
+    given = rank
+    try:
+        rank = None if isinstance(rank, bool) else operator.index(rank)
+    except TypeError:
+        rank = None
+    if rank is None:
+        raise InvalidArgument(f"allocate: rank must be an int, got {given!r}")
     if not 0 <= rank < world:
         raise InvalidArgument(f"rank {rank} is outside layout {layout.topology} (world size {world})")
     out = {}
@@ -128,7 +133,11 @@ def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[fl
             continue
         t = torch.empty(b["numel"], dtype=_TORCH_DTYPES[b["dtype"]], device=device)
         if fill is not None:
-            t.fill_(fill)
+            try:
+                t.fill_(fill)
+            except (RuntimeError, TypeError) as e:
+                raise InvalidArgument(f"allocate: fill={fill!r} cannot be stored in buffer {b['name']} "
+                                      f"({b['dtype']}): {e}") from None
         out[b["name"]] = t
     return out
 
@@ -193,7 +202,28 @@ def _policies(policies: Optional[Mapping]) -> dict:
     for k in p:
         if k not in _POLICY_KEYS:
             raise InvalidArgument(f"unknown policy '{k}' (known: {', '.join(_POLICY_KEYS)}, memory_budget_gib)")
+    # Types and values (replica policy names, replica_atol >= 0, booleans) as C++ reads them, and the
+    # 64 KiB budget minimum: here, so that load agrees on them across ranks before its first collective.
+    _C.plan_options(p)
+    if "memory_budget_bytes" in p and p["memory_budget_bytes"] < _MIN_MEMORY_BUDGET:
+        raise InvalidArgument(f"policy memory budget {p['memory_budget_bytes']} bytes is below the minimum of "
+                              f"{_MIN_MEMORY_BUDGET} bytes (64 KiB): a wave must hold at least one chunk of a piece")
     return p
+
+
+# reshard::kMinMemoryBudget (include/reshard/plan.h).
+_MIN_MEMORY_BUDGET = 64 * 1024
+
+
+def _open_for(path, step, model, what: str) -> "Checkpoint":
+    """``path`` opened with ``step`` and ``model``; a Checkpoint is used as it was opened, so
+    ``step`` or ``model`` given with one would be ignored: refused instead."""
+    if isinstance(path, Checkpoint):
+        if step is not None or model is not None:
+            raise InvalidArgument(f"{what}: step= and model= apply when a path is opened; this Checkpoint was opened at "
+                                  f"{path.path} (pass the root path, or open_checkpoint(root, step=..., model=...))")
+        return path
+    return open_checkpoint(path, step=step, model=model)
 
 
 def _target_layout(ckpt: "Checkpoint", target) -> "Layout":
@@ -222,7 +252,7 @@ def plan(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], *, step=N
     unexpected tensors under strictness, shape mismatches, a budget below 64 KiB), and the errors
     of :func:`open_checkpoint`.
     """
-    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
+    ckpt = _open_for(path, step, model, "reshard.plan")
     return _json.loads(_C.plan(ckpt, _target_layout(ckpt, target), _policies(policies)))
 
 
@@ -369,10 +399,15 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     verify="full" checksum pass, replica comparisons), "read_seconds", "copy_seconds",
     "exchange_seconds", "scatter_seconds".
 
-    Raises, on every rank (each rank's own checks of its arguments, tensors and checkpoint folder
-    are agreed before the first collective, so a bad argument on one rank fails all of them
-    instead of leaving its peers waiting). Before any tensor is written: InvalidArgument (tensors
-    that do not match the layout, two tensors that overlap in memory, tensors on meta,
+    Raises, on every rank (each rank's own checks of its arguments, policies, tensors and
+    checkpoint folder are agreed before the first collective, and its planning errors right after
+    planning, so a bad argument on one rank fails all of them instead of leaving its peers
+    waiting). Exception: a target whose world size differs from the communicator's raises
+    InvalidArgument at once on the rank that gave it (one process loading alone under
+    torch.distributed must pass ``comm=local_communicator()``). Before any tensor is written:
+    InvalidArgument (``step``/``model`` given with an opened Checkpoint, tensors
+    that do not match the layout, a tensor whose storage is smaller than its size (freed or
+    shrunk with ``untyped_storage().resize_()``), two tensors that overlap in memory, tensors on meta,
     strictness, shapes, a model whose vocab differs from the checkpoint's, a verify value other
     than off/free/full, io_threads outside 1..1024), DataLoss
     (uncovered elements, missing or short files, replicas that differ under policy "error": names
@@ -381,16 +416,31 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     another rank with "free"), InvalidArgument (tensors on several devices), Internal (ranks given
     different ``verify`` values or replica policies, or inputs that plan differently). After live
     tensors were partly written: FailedPrecondition ("free": a checksum mismatch
-    found while a piece was copied locally, its copy then overwritten with NaN; or a peer of the
-    communicator fails): they are then unusable and the trainer must abort. CUDA tensors are
+    found while a piece was copied locally, its copy then overwritten with NaN; a finite value
+    that does not fit the target dtype, e.g. a bf16 1e6 into an f16 model, naming the buffer; or a
+    peer of the communicator fails): they are then unusable and the trainer must abort. The CPU
+    tensors' version counters are bumped as by an in-place write (autograd refuses a backward
+    through a graph that saved their old values). CUDA tensors are
     written only after the whole load succeeded, so they are never partly written.
     """
     comm = _default_comm(comm)
-    # Every check that needs no peer runs first; the ranks then agree on the outcome, so that a
-    # bad argument on one rank fails every rank instead of leaving them waiting in a collective.
+    # A target for another number of ranks than the communicator has is raised at once, not
+    # agreed: the usual case is one rank loading alone (a tool on rank 0 of a torch.distributed
+    # job) with the default communicator, whose peers never call load and would leave it waiting.
+    try:
+        world, shown = ((target.world_size, target.topology) if isinstance(target, Layout)
+                        else (parse_topology(str(target))["world_size"], str(target)))
+    except Exception:  # noqa: BLE001 - a bad topology string is reported (and agreed) below
+        world, shown = comm.size, ""
+    if world != comm.size:
+        raise InvalidArgument(f"[rank {comm.rank}/{comm.size}] target layout {shown} has world size {world} but the "
+                              f"communicator has {comm.size} ranks (one process loading alone under "
+                              f"torch.distributed: pass comm=reshard.local_communicator())")
+    # Every other check that needs no peer runs first; the ranks then agree on the outcome, so that
+    # a bad argument on one rank fails every rank instead of leaving them waiting in a collective.
     err = None
     try:
-        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, step=step, model=model)
+        ckpt = _open_for(path, step, model, "reshard.load")
         layout = _target_layout(ckpt, target)
         tlist = _tensor_list(layout, comm.rank, tensors)
         _C.check_buffers(layout, comm.rank, tlist, "reshard.load")
@@ -410,7 +460,15 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     _agree(comm, err, "reshard.load")
     if device.type != "cpu" or _STAGE_CPU_TENSORS_FOR_TESTS:
         return _load_staged(ckpt, layout, tlist, comm, device, pol, threads, verify)
-    return _C.load(ckpt, layout, tlist, comm, pol, threads, verify)
+    try:
+        return _C.load(ckpt, layout, tlist, comm, pol, threads, verify)
+    finally:
+        # C++ writes through the tensors' memory: bump their version counters as an in-place op
+        # would, so autograd refuses a backward through a graph that saved their old values (the
+        # staged path's copy_ does the same). Also after a failure: the tensors may be written.
+        for i, t in enumerate(tlist):
+            if t is not None and bufs[i]["rank"] == comm.rank and not t.is_inference():
+                torch.autograd.graph.increment_version(t)
 
 
 # Tests set this to run the staged path below with CPU tensors (the path GPU tensors take).
@@ -439,7 +497,12 @@ def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify
     try:
         with torch.no_grad():
             for i, t in enumerate(tlist):
-                if host[i] is not None:
+                if host[i] is None:
+                    continue
+                if t.is_inference():  # made under torch.inference_mode(): writable only inside it
+                    with torch.inference_mode():
+                        t.view(-1).copy_(host[i], non_blocking=pin)
+                else:
                     t.view(-1).copy_(host[i], non_blocking=pin)
         if pin:
             torch.cuda.synchronize(device)
@@ -482,6 +545,9 @@ def save(root: str, step: str, layout: "Layout", tensors, *, state: Optional[Map
     comm = _default_comm(comm)
     err = None
     try:
+        if not isinstance(step, str):
+            raise InvalidArgument(f"reshard.save: step must be the step folder's name (a str such as 'step-100'), "
+                                  f"got {step!r}")
         st = _state_dict(state, layout)
         tlist = _tensor_list(layout, comm.rank, tensors)
         _C.check_buffers(layout, comm.rank, tlist, "reshard.save")

@@ -509,6 +509,31 @@ try:
 except reshard.Internal as e:
     assert "replica policy differs between ranks" in str(e), str(e)
 assert all(not t.any() for t in ts4.values()), "a refused load wrote"
+# Checks that only C++ made, or planning, failing on one rank: every rank raises, none waits for
+# it (session 13 tester: the peers sat in an all-gather until gloo's 30-minute timeout).
+for pol in ({"replicas": "sometimes"}, {"memory_budget_bytes": 1000}, {"replica_atol": -1}, {"strict_missing": 1}):
+    try:
+        reshard.load(sys.argv[1], L, ts4, policies=pol if r == 1 else None)
+        raise SystemExit(f"no error for {pol} on rank 1")
+    except reshard.InvalidArgument as e:
+        assert r == 1 or "rank 1" in str(e), str(e)
+base = dict(name="t", num_layers=2, hidden=16, ffn=32, heads=4, query_groups=2, vocab=60, vocab_divisible_by=8,
+            swiglu=True, tied_embeddings=True, param_dtype="f32")
+L5 = reshard.derive_layout(dict(base, num_layers=4) if r == 1 else base, "tp=1,pp=2,dp=2,zero=1")
+ts5 = reshard.allocate(L5, r, fill=0.0)
+try:
+    reshard.load(sys.argv[1], L5, ts5)
+    raise SystemExit("no error for a model that differs on rank 1")
+except reshard.Error as e:
+    assert "rank 1" in str(e) and "not in the checkpoint" in str(e), str(e)
+# A one-process target on a multi-rank communicator: refused on the rank that asked, at once.
+if r == 0:
+    L1 = reshard.derive_layout(base, "tp=1,pp=1,dp=1,zero=1")
+    try:
+        reshard.load(sys.argv[1], L1, reshard.allocate(L1, 0))
+        raise SystemExit("no error for a world-size-1 target on 4 ranks")
+    except reshard.InvalidArgument as e:
+        assert "has world size 1 but the communicator has 4 ranks" in str(e), str(e)
 print("OK", r, flush=True)
 dist.destroy_process_group()
 '''
@@ -530,3 +555,68 @@ def test_torch_communicator_gloo(tmp_path):
                         sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True, text=True,
                        timeout=240)
     assert r.returncode == 0 and r.stdout.count("OK") == 4, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_live_tensor_and_argument_cases_from_the_session_13_tester(tmp_path):
+    """Each case raised nothing (or crashed) before: now a clear error before anything is written,
+    or a correct load."""
+    ck = str(tmp_path / "ck")
+    reshard.synth_checkpoint(ck, reshard.model_config(TINY), "tp=2,pp=1,dp=1,zero=1", 5)
+    L = reshard.derive_layout(reshard.open_checkpoint(ck).model, "tp=1,pp=1,dp=1,zero=1")
+    # A tensor whose storage was shrunk (as FSDP frees parameters) was written past its memory.
+    ts = reshard.allocate(L, 0, fill=0.0)
+    name = max(ts, key=lambda k: ts[k].numel())
+    ts[name].untyped_storage().resize_(16)
+    with pytest.raises(reshard.InvalidArgument, match=f"tensor for buffer {name} needs .* its storage holds 16"):
+        reshard.load(ck, L, ts)
+    # step= or model= with an opened Checkpoint were ignored (the wrong step loaded silently).
+    c = reshard.open_checkpoint(ck)
+    for kw in ({"step": "step-1"}, {"model": "/nonexistent.yaml"}):
+        with pytest.raises(reshard.InvalidArgument, match="apply when a path is opened"):
+            reshard.load(c, L, reshard.allocate(L, 0), **kw)
+        with pytest.raises(reshard.InvalidArgument, match="apply when a path is opened"):
+            reshard.plan(c, "tp=1", **kw)
+    # save(step=None) made a folder named "None".
+    with pytest.raises(reshard.InvalidArgument, match="step must be the step folder's name"):
+        reshard.save(str(tmp_path / "s"), None, L, reshard.allocate(L, 0, fill=0.0))
+    assert not (tmp_path / "s").exists()
+    # Writes through raw pointers now count as in-place writes for autograd, as the staged path's do.
+    ts = reshard.allocate(L, 0, fill=1.0)
+    w = next(t for k, t in ts.items() if k.startswith("fp32/")).requires_grad_()
+    loss = (w * w).sum()  # saves w for backward
+    reshard.load(ck, L, ts)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # Tensors made under inference_mode load on the staged path (the one CUDA tensors take) too:
+    # its copy into them failed after some were written.
+    with torch.inference_mode():
+        inf_ts = reshard.allocate(L, 0, fill=0.0)
+    ref = reshard.allocate(L, 0, fill=0.0)
+    reshard.load(ck, L, ref)
+    reshard._STAGE_CPU_TENSORS_FOR_TESTS = True
+    try:
+        reshard.load(ck, L, inf_ts)
+    finally:
+        reshard._STAGE_CPU_TENSORS_FOR_TESTS = False
+    assert all(torch.equal(inf_ts[k], ref[k]) for k in ref)
+
+
+def test_values_that_do_not_fit_the_target_dtype_fail_the_load(tmp_path):
+    """bf16 1e6 loaded into an f16 model came out as inf with every check passing (session 13)."""
+    import yaml
+    with open(os.path.join(REPO, "configs", "models", "tiny-gpt.yaml")) as f:
+        base = yaml.safe_load(f)
+    L = reshard.derive_layout(base, "tp=1,dp=1,zero=1", weights_on_dp0_only=True)
+    dt = {"BF16": torch.bfloat16, "F32": torch.float32}
+    vals = [torch.full((b["numel"],), 1.0e6, dtype=dt[b["dtype"]]) for b in L.buffers]
+    reshard.save_all_ranks(str(tmp_path / "ck"), "step-1", L, vals)
+    L16 = reshard.derive_layout(dict(base, param_dtype="f16"), "tp=1,dp=1,zero=1")
+    with pytest.raises(reshard.FailedPrecondition, match="does not fit in F16") as e:
+        reshard.load(str(tmp_path / "ck"), L16, reshard.allocate(L16, 0, fill=0.0))
+    assert "buffer weight/" in str(e.value)
+    # Values that fit convert as before (bf16 -> f16 rounds to nearest).
+    small = [torch.full((b["numel"],), 3.0, dtype=dt[b["dtype"]]) for b in L.buffers]
+    reshard.save_all_ranks(str(tmp_path / "ck2"), "step-1", L, small)
+    out = reshard.allocate(L16, 0, fill=0.0)
+    reshard.load(str(tmp_path / "ck2"), L16, out)
+    assert all(bool((t == 3).all()) for t in out.values())
