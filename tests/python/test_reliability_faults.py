@@ -328,7 +328,7 @@ def test_world_size_mismatch(ck):
     target = reshard.derive_layout(c.model, "tp=2,dp=1,zero=1")
     with pytest.raises(reshard.InvalidArgument) as e:
         reshard.load(c, target, live_tensors(target, 0), comm=reshard.local_communicator())
-    assert "world size 2 but the job has 1 ranks" in str(e.value)
+    assert "has world size 2 but the communicator has 1 ranks" in str(e.value)
 
 
 @need_py
