@@ -131,7 +131,7 @@ def _zero_optimizer(engine):
     needed = ("bit16_groups", "bit16_groups_flat", "single_partition_of_fp32_groups")
     if not all(hasattr(zopt, a) for a in needed):
         raise reshard.Unsupported(
-            f"reshard_load fills DeepSpeed's ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer) and BF16_Optimizer; this "
+            f"reshard_load fills DeepSpeed's ZeRO-1 optimizer (DeepSpeedZeroOptimizer) and BF16_Optimizer; this "
             f"engine's optimizer is "
             f"{type(zopt).__name__} (ZeRO stage {engine.zero_optimization_stage()}, bf16 {engine.bfloat16_enabled()})")
     return zopt
@@ -142,6 +142,15 @@ class LiveState:
 
     def __init__(self, engine, cfg: M.GPTConfig):
         self.engine, self.cfg = engine, cfg
+        # The hook reads each rank's pipeline stage and dp rank from the PipelineEngine's grid; the
+        # trainer's --no-pipeline engine (a plain DeepSpeedEngine, the only one that runs ZeRO-2/3
+        # here) has none. Refused by name (it raised AttributeError: session 13 tester); the
+        # library's reshard.load works for any engine that hands it its tensors.
+        if not hasattr(engine, "grid"):
+            raise reshard.Unsupported(
+                f"reshard_load fills the ZeRO-1 PipelineEngine's state (the trainer without --no-pipeline); this "
+                f"engine is a {type(engine).__name__} (ZeRO stage {engine.zero_optimization_stage()}), which the hook "
+                f"does not map: load such an engine with reshard.load and its own tensors, or run the PipelineEngine")
         self.zopt = _zero_optimizer(engine)
         self.torch_opt = self.zopt.optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
