@@ -93,9 +93,13 @@ struct LoadReport {
 
 /// Plans and executes a load into this rank's buffers of `target`. Collective over comm.
 /// `buffers[i]` points at target.buffers[i]'s memory when it belongs to comm.rank(), else null.
-/// Errors: those of make_plan (coverage, strictness, shapes, budget) raised on every rank before
-/// anything is read; pre-flight and replica errors before any write; kFailedPrecondition when a
-/// failure happens after live tensors were partly written.
+/// Errors: kInvalidArgument at once when target's world size is not comm.size(); those of the
+/// options (io_threads, verify) and of make_plan (coverage, strictness, shapes, budget) raised on
+/// every rank before anything is read, also when only one rank's fail (the ranks gather every
+/// rank's outcome right after planning; the message names each failing rank); pre-flight and
+/// replica errors before any write; kFailedPrecondition when a failure happens after live tensors
+/// were partly written (a checksum mismatch found while copying, a finite value that does not fit
+/// the target buffer's dtype, naming the buffer; raised on every rank).
 LoadReport load(const CheckpointReader& checkpoint, const Layout& target, const std::vector<void*>& buffers,
                 Communicator& comm, const LoadOptions& options = {});
 
