@@ -22,7 +22,10 @@ bool dtype_is_float(DType t);
 
 /// Converts `n` elements from `src` (type `from`) to `dst` (type `to`). Same type is a memcpy.
 /// Float conversions round to nearest even (fp32 -> bf16/fp16), as torch's `.to()` does on CPU.
-/// Throws Error(kUnsupported) for integer <-> float pairs.
+/// Throws Error(kUnsupported) for integer <-> float pairs, and Error(kInvalidArgument) when a
+/// finite value does not fit `to` (rounds to +-inf: |v| > 65504 into F16; past bf16's or fp32's
+/// largest from a wider type); elements before it may have been written. Values below the smallest
+/// subnormal round to zero, as in torch.
 void convert_elements(const void* src, DType from, void* dst, DType to, size_t n);
 
 }  // namespace reshard
