@@ -7,8 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
+#include "reshard/dtype.h"
+#include "reshard/error.h"
 #include "reshard/simulate.h"
 #include "reshard/strided.h"
 
@@ -239,6 +242,42 @@ TEST(ReplicaCompare, FindsTheOneDifferenceInAnySlabOfAStridedBoxAcrossDtypes) {
     put(1, inf_b, rt);
     EXPECT_EQ(replica_max_abs_diff(c, read), INFINITY) << dtype_name(rt);
   }
+}
+
+}  // namespace
+}  // namespace reshard
+
+namespace reshard {
+namespace {
+// A finite value that would round to +-inf in a narrower type is refused (session 13: bf16 1e6
+// into an f16 model loaded as inf); the largest finite values, inf and NaN themselves convert.
+TEST(Convert, FiniteValuesThatDoNotFitAreRefusedNotTurnedIntoInf) {
+  auto to = [](auto v, DType from, DType to_type) {
+    uint64_t out = 0;
+    convert_elements(&v, from, &out, to_type, 1);
+    return out;
+  };
+  auto refused = [&](auto v, DType from, DType to_type) {
+    try {
+      to(v, from, to_type);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(std::string("does not fit in ") + dtype_name(to_type)), std::string::npos) << e.what();
+      return true;
+    }
+    return false;
+  };
+  EXPECT_EQ(to(65504.0f, DType::F32, DType::F16), 0x7bffu);  // f16's largest finite
+  EXPECT_TRUE(refused(65536.0f, DType::F32, DType::F16));
+  EXPECT_TRUE(refused(-1.0e6f, DType::F32, DType::F16));
+  EXPECT_TRUE(refused(uint16_t(0x4974), DType::BF16, DType::F16));  // bf16 999424
+  EXPECT_EQ(to(std::numeric_limits<float>::infinity(), DType::F32, DType::F16), 0x7c00u);  // inf stays inf
+  EXPECT_EQ(to(uint16_t(0x7bff), DType::F16, DType::BF16) & 0x7f80u, 0x4780u);  // f16 always fits in bf16
+  EXPECT_TRUE(refused(std::numeric_limits<float>::max(), DType::F32, DType::BF16));
+  EXPECT_TRUE(refused(1.0e300, DType::F64, DType::F32));
+  EXPECT_TRUE(refused(1.0e300, DType::F64, DType::F16));
+  EXPECT_TRUE(refused(1.0e300, DType::F64, DType::BF16));
+  EXPECT_EQ(to(1.0e-30, DType::F64, DType::F16), 0u);  // below the smallest subnormal: zero, as torch
 }
 
 }  // namespace
