@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "api/report.h"
+#include "comm/agree.h"
 #include "exec/executor.h"
 #include "reshard/error.h"
 #include "reshard/reshard.h"
@@ -146,8 +147,13 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   PlanOptions po = options.plan;
   ExecOptions eo;
   Plan plan;
-  std::string mine;  // "<code>|<message>" when this rank's checks or planning failed
-  try {
+  // This rank's first failure (encode_error's form); with one rank, errors are raised as they come.
+  std::string mine;
+  auto step = [&](auto fn) {
+    if (comm.size() == 1) fn();
+    else if (mine.empty()) mine = try_local(fn);
+  };
+  step([&] {
     if (options.io_threads < 1 || options.io_threads > 1024)
       fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024");
     eo.io_threads = options.io_threads;
@@ -158,41 +164,22 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
     else if (options.verify == "free") eo.verify = VerifyMode::kFree;
     else if (options.verify == "full") eo.verify = VerifyMode::kFull;
     else fail(ErrorCode::kInvalidArgument, "load option verify='", options.verify, "' must be off, free or full");
-  } catch (const Error& e) {
-    mine = std::to_string(int(e.code())) + "|" + e.what();
-  }
+  });
   // With dedup on, ranks that share a machine (same boot id and host name) each read what they
   // need from the shared page cache; only ranks on other machines get bytes through the exchange.
   // The machines are known to every load (one all-gather, whatever the options): verify="full"
   // checks each unit once per machine that reads it (Plan::rank_machine).
   std::vector<int32_t> machines;
   if (comm.size() > 1) machines = node_of_ranks(comm, ckpt);
-  if (mine.empty()) {
-    try {
-      if (po.node_local_reads && po.dedup && po.rank_node.empty()) po.rank_node = machines;
-      plan = plan_load(ckpt, target, po, &r.plan_seconds);
-      plan.rank_machine = po.rank_node.empty() ? machines : po.rank_node;
-    } catch (const Error& e) {
-      mine = std::to_string(int(e.code())) + "|" + e.what();
-    }
-  }
-  if (comm.size() == 1) {
-    if (!mine.empty()) fail(ErrorCode(std::atoi(mine.c_str())), mine.substr(mine.find('|') + 1));
-  } else {
-    const std::vector<std::string> all = comm.all_gather_strings(mine);
-    std::string msg;
-    int code = -1, nbad = 0;
-    for (size_t q = 0; q < all.size(); ++q) {
-      if (all[q].empty()) continue;
-      const size_t bar = all[q].find('|');
-      if (code < 0 || int(q) == comm.rank()) code = std::atoi(all[q].c_str());  // this rank's own, else the first
-      if (nbad++ < 8) msg += (msg.empty() ? "" : "; ") + std::string("rank ") + std::to_string(q) + ": " + all[q].substr(bar + 1);
-    }
-    if (nbad > 8) msg += "; ... (" + std::to_string(nbad) + " ranks)";
-    if (nbad > 0)
-      fail(ErrorCode(code), "[rank ", comm.rank(), "/", comm.size(), "] load refused on every rank before anything was read "
-           "or written: ", msg);
-  }
+  step([&] {
+    if (po.node_local_reads && po.dedup && po.rank_node.empty()) po.rank_node = machines;
+    plan = plan_load(ckpt, target, po, &r.plan_seconds);
+    plan.rank_machine = po.rank_node.empty() ? machines : po.rank_node;
+  });
+  if (comm.size() > 1)
+    agree_on_errors(comm, mine, "[rank " + std::to_string(comm.rank()) + "/" + std::to_string(comm.size()) +
+                                    "] load refused on every rank before anything was read or written",
+                    /*keep_code=*/true);
   // Whatever the load leaves mapped (see CheckpointReader::drop_mapped_pages) is dropped when it
   // ends, also when it fails: a reader kept open holds no checkpoint pages in this process's RSS.
   struct DropMappings {

@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "comm/agree.h"
 #include "formats/native/layout_json.h"
 #include "formats/native/native_internal.h"
 #include "formats/safetensors/safetensors.h"
@@ -241,34 +242,9 @@ void commit_step(const std::string& root, const std::string& step, const std::st
   }
 }
 
-// Error strings travel between ranks as "<code>|<message>".
-std::string encode_error(const Error& e) { return std::to_string(int(e.code())) + "|" + e.what(); }
-
 /// Collective: raises on every rank when any rank reports an error ("" = fine).
 void agree(Communicator& comm, const std::string& err, const std::string& what) {
-  std::vector<std::string> all = comm.all_gather_strings(err);
-  std::string msg;
-  int code = -1;
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty()) continue;
-    auto bar = all[r].find('|');
-    int c = std::atoi(all[r].substr(0, bar).c_str());
-    if (code < 0) code = c;
-    msg += (msg.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + all[r].substr(bar + 1);
-  }
-  if (code >= 0) fail(all.size() == 1 ? ErrorCode(code) : ErrorCode::kFailedPrecondition, what, ": ", msg);
-}
-
-template <typename Fn>
-std::string try_local(Fn fn) {
-  try {
-    fn();
-    return {};
-  } catch (const Error& e) {
-    return encode_error(e);
-  } catch (const std::exception& e) {
-    return std::to_string(int(ErrorCode::kInternal)) + "|" + e.what();
-  }
+  agree_on_errors(comm, err, what, /*keep_code=*/false);
 }
 
 std::string ranges_text(const std::vector<int>& ranks) {
