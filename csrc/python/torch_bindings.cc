@@ -196,7 +196,14 @@ PlanOptions plan_options_from_py(const py::dict& d) {
     }
     else if (k == "strict_missing") as(&o.strict_missing, "True or False");
     else if (k == "strict_unexpected") as(&o.strict_unexpected, "True or False");
-    else if (k == "memory_budget_bytes") as(&o.memory_budget, "a non-negative integer (bytes)");
+    else if (k == "memory_budget_bytes") {
+      as(&o.memory_budget, "a non-negative integer (bytes)");
+      // make_plan refuses it too; here it is refused when the policies are read, which reshard.load
+      // does before its ranks agree (a rank that refused it alone in planning left its peers waiting).
+      if (o.memory_budget < kMinMemoryBudget)
+        fail(ErrorCode::kInvalidArgument, "policy memory budget ", o.memory_budget, " bytes is below the minimum of ",
+             kMinMemoryBudget, " bytes (64 KiB): a wave must hold at least one chunk of a piece");
+    }
     else if (k == "dedup") as(&o.dedup, "True or False");
     else if (k == "compare_replicas") as(&o.compare_replicas, "True or False");
     else if (k == "weights_from_master") as(&o.weights_from_master, "True or False");
@@ -274,14 +281,15 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " is a ",
            t.is_neg() ? "negation" : "conjugation", " view (its bytes are not its values); pass ",
            t.is_neg() ? "t.resolve_neg()" : "t.resolve_conj()", " or a plain tensor");
+    DType dt;
     try {
-      (void)dtype_of(t);
+      dt = dtype_of(t);
     } catch (const Error& e) {
       fail(ErrorCode::kUnsupported, what, ": tensor for buffer ", b.name, ": ", e.what(), " (the layout says ",
            dtype_name(b.dtype), ")");
     }
-    if (dtype_of(t) != b.dtype)
-      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has dtype ", dtype_name(dtype_of(t)),
+    if (dt != b.dtype)
+      fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has dtype ", dtype_name(dt),
            " but the layout says ", dtype_name(b.dtype));
     if (t.numel() != b.numel)
       fail(ErrorCode::kInvalidArgument, what, ": tensor for buffer ", b.name, " has ", t.numel(),

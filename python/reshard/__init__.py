@@ -202,17 +202,11 @@ def _policies(policies: Optional[Mapping]) -> dict:
     for k in p:
         if k not in _POLICY_KEYS:
             raise InvalidArgument(f"unknown policy '{k}' (known: {', '.join(_POLICY_KEYS)}, memory_budget_gib)")
-    # Types and values (replica policy names, replica_atol >= 0, booleans) as C++ reads them, and the
-    # 64 KiB budget minimum: here, so that load agrees on them across ranks before its first collective.
+    # Types and values (replica policy names, replica_atol >= 0, booleans, the 64 KiB budget
+    # minimum) as C++ reads them: here, so that load agrees on them across ranks before its first
+    # collective.
     _C.plan_options(p)
-    if "memory_budget_bytes" in p and p["memory_budget_bytes"] < _MIN_MEMORY_BUDGET:
-        raise InvalidArgument(f"policy memory budget {p['memory_budget_bytes']} bytes is below the minimum of "
-                              f"{_MIN_MEMORY_BUDGET} bytes (64 KiB): a wave must hold at least one chunk of a piece")
     return p
-
-
-# reshard::kMinMemoryBudget (include/reshard/plan.h).
-_MIN_MEMORY_BUDGET = 64 * 1024
 
 
 def _open_for(path, step, model, what: str) -> "Checkpoint":
