@@ -165,9 +165,6 @@ inline uint16_t f32_to_f16(float f) {
 template <typename From>
 double load_as_double(const From* p, size_t i) { return double(p[i]); }
 
-}  // namespace
-
-namespace {
 // A finite value that became +-inf in a narrower type: the value does not fit, and loading it
 // as inf would be a wrong value that no checksum catches (session 13 tester: bf16 1e6 into an
 // f16 model loaded as inf with every check passing).
@@ -197,6 +194,13 @@ void convert_elements(const void* src, DType from, void* dst, DType to, size_t n
       default: return 0.f;
     }
   };
+  // Whether source element i is finite (read as double where it is fp64: its float may be inf).
+  auto finite = [&](size_t i) {
+    return from == DType::F64 ? std::isfinite(static_cast<const double*>(src)[i]) : std::isfinite(read_f32(i));
+  };
+  auto source_value = [&](size_t i) {
+    return from == DType::F64 ? static_cast<const double*>(src)[i] : double(read_f32(i));
+  };
   if (to == DType::F64) {
     double* d = static_cast<double*>(dst);
     for (size_t i = 0; i < n; ++i) d[i] = double(read_f32(i));
@@ -207,43 +211,26 @@ void convert_elements(const void* src, DType from, void* dst, DType to, size_t n
     if (from == DType::BF16) {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
-    } else if (from == DType::F64) {
-      const double* s = static_cast<const double*>(src);
-      for (size_t i = 0; i < n; ++i) {
-        d[i] = float(s[i]);
-        if (std::isinf(d[i]) && std::isfinite(s[i])) overflow(s[i], to);
-      }
     } else {
-      for (size_t i = 0; i < n; ++i) d[i] = read_f32(i);
+      for (size_t i = 0; i < n; ++i) {
+        d[i] = read_f32(i);
+        if (std::isinf(d[i]) && finite(i)) overflow(source_value(i), to);
+      }
     }
     return;
   }
   uint16_t* d = static_cast<uint16_t*>(dst);
   if (to == DType::BF16) {
-    // From f16 every value fits; from f32 / f64 a value can round up past bf16's largest.
-    const bool can_overflow = from != DType::F16;
     for (size_t i = 0; i < n; ++i) {
-      const float v = read_f32(i);
-      d[i] = f32_to_bf16(v);
-      if (can_overflow && (d[i] & 0x7fff) == 0x7f80 && std::isfinite(v)) overflow(v, to);
-    }
-    if (from == DType::F64) {  // fp64 -> fp32 itself may overflow (read_f32 gives inf)
-      const double* s = static_cast<const double*>(src);
-      for (size_t i = 0; i < n; ++i)
-        if ((d[i] & 0x7fff) == 0x7f80 && std::isfinite(s[i])) overflow(s[i], to);
+      d[i] = f32_to_bf16(read_f32(i));
+      if ((d[i] & 0x7fff) == 0x7f80 && finite(i)) overflow(source_value(i), to);
     }
     return;
   }
   if (to == DType::F16) {
     for (size_t i = 0; i < n; ++i) {
-      const float v = read_f32(i);
-      d[i] = f32_to_f16(v);
-      if ((d[i] & 0x7fff) == 0x7c00 && std::isfinite(v)) overflow(v, to);
-    }
-    if (from == DType::F64) {
-      const double* s = static_cast<const double*>(src);
-      for (size_t i = 0; i < n; ++i)
-        if ((d[i] & 0x7fff) == 0x7c00 && std::isfinite(s[i])) overflow(s[i], to);
+      d[i] = f32_to_f16(read_f32(i));
+      if ((d[i] & 0x7fff) == 0x7c00 && finite(i)) overflow(source_value(i), to);
     }
     return;
   }
