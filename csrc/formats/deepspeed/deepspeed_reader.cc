@@ -94,6 +94,18 @@ std::optional<bool> opt_bool(const PyValue* v) {
   if (v && v->kind == Kind::Int) return v->integer != 0;
   return std::nullopt;
 }
+// The attention's query groups as the trainer's args record them: Megatron-LM's
+// group_query_attention + num_query_groups, Megatron-DeepSpeed's num_key_value_heads; an explicit
+// group_query_attention=False means one group per head. nullopt when args say nothing.
+std::optional<int64_t> args_query_groups(const PyValue* args) {
+  std::optional<int64_t> groups;
+  auto gqa = opt_bool(get(args, "group_query_attention"));
+  if (gqa && *gqa) groups = opt_int(get(args, "num_query_groups"));
+  if (!groups) groups = opt_int(get(args, "num_key_value_heads"));
+  if (!groups && (!gqa || *gqa)) groups = opt_int(get(args, "num_query_groups"));
+  if (!groups && gqa && !*gqa) groups = opt_int(get(args, "num_attention_heads"));
+  return groups;
+}
 std::optional<std::string> opt_str(const PyValue* v) {
   if (v && v->kind == Kind::String) return v->text;
   return std::nullopt;
@@ -773,15 +785,7 @@ void Builder::model_config() {
       if (auto v = opt_int(get(args, "hidden_size"))) same("hidden", std::to_string(*v), std::to_string(cfg.hidden));
       if (auto v = opt_int(get(args, "num_attention_heads"))) same("heads", std::to_string(*v), std::to_string(cfg.heads));
       if (auto v = opt_int(get(args, "ffn_hidden_size"))) same("ffn", std::to_string(*v), std::to_string(cfg.ffn));
-      {
-        std::optional<int64_t> groups;
-        auto gqa = opt_bool(get(args, "group_query_attention"));
-        if (gqa && *gqa) groups = opt_int(get(args, "num_query_groups"));
-        if (!groups) groups = opt_int(get(args, "num_key_value_heads"));
-        if (!groups && (!gqa || *gqa)) groups = opt_int(get(args, "num_query_groups"));
-        if (gqa && !*gqa) groups = opt_int(get(args, "num_attention_heads"));  // MHA: one group per head
-        if (groups) same("query groups", std::to_string(*groups), std::to_string(cfg.groups()));
-      }
+      if (auto v = args_query_groups(args)) same("query groups", std::to_string(*v), std::to_string(cfg.groups()));
       if (auto v = opt_bool(get(args, "swiglu"))) same("swiglu", b(*v), b(cfg.swiglu));
       if (auto v = opt_bool(get(args, "untie_embeddings_and_output_weights")))
         same("tied_embeddings", b(!*v), b(cfg.tied_embeddings));
@@ -807,11 +811,7 @@ void Builder::model_config() {
     cfg.heads = int(need_int("num_attention_heads"));
     auto ffn = opt_int(get(args, "ffn_hidden_size"));
     cfg.ffn = int(ffn ? *ffn : 4 * cfg.hidden);
-    std::optional<int64_t> groups;
-    auto gqa = opt_bool(get(args, "group_query_attention"));
-    if (gqa && *gqa) groups = opt_int(get(args, "num_query_groups"));
-    if (!groups) groups = opt_int(get(args, "num_key_value_heads"));
-    if (!groups && (!gqa || *gqa)) groups = opt_int(get(args, "num_query_groups"));
+    const std::optional<int64_t> groups = args_query_groups(args);
     cfg.query_groups = groups ? int(*groups) : 0;
     if (cfg.query_groups == cfg.heads) cfg.query_groups = 0;
     cfg.swiglu = opt_bool(get(args, "swiglu")).value_or(false);
