@@ -110,18 +110,6 @@ std::vector<std::string> gather_lines(Communicator* comm, const std::vector<std:
   return all;
 }
 
-bool ends_with(const std::string& s, const std::string& suf) {
-  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
-}
-
-// Holds DeepSpeed's per-step files (mp_rank_*_model_states.pt, layer_*-model_states.pt, ...).
-bool holds_deepspeed_step(const std::string& dir) {
-  if (!io::is_dir(dir)) return false;
-  for (const auto& n : io::list_dir(dir))
-    if (ends_with(n, "_model_states.pt")) return true;
-  return false;
-}
-
 bool same_file(const std::string& a, const std::string& b) {
   struct stat sa, sb;
   return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
@@ -141,13 +129,13 @@ void check_output(const std::string& out, const std::string& shown, const std::s
     fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " is inside the source step folder ", source_step_dir,
          "; give the output root outside it");
   if (io::is_dir(out)) {
-    if (io::is_file(io::join(out, native::kMetadataFile)) || holds_deepspeed_step(out))
+    const bool native_step = is_native_step(out);
+    if (native_step || is_deepspeed_step(out))
       fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " is a checkpoint's step folder (it holds ",
-           io::is_file(io::join(out, native::kMetadataFile)) ? native::kMetadataFile : "*_model_states.pt",
+           native_step ? native::kMetadataFile : "*_model_states.pt",
            "); give a checkpoint root: convert writes OUT/<step> and OUT/latest");
-    const std::string ds_latest = io::join(out, "latest_checkpointed_iteration.txt");
-    bool ds_root = io::exists(ds_latest);
-    for (const auto& n : io::list_dir(out)) ds_root = ds_root || holds_deepspeed_step(io::join(out, n));
+    bool ds_root = io::exists(io::join(out, "latest_checkpointed_iteration.txt"));
+    for (const auto& n : io::list_dir(out)) ds_root = ds_root || is_deepspeed_step(io::join(out, n));
     if (ds_root)
       fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " is a DeepSpeed checkpoint root (it holds DeepSpeed "
            "step folders); convert would write a native step and replace its `latest`, which DeepSpeed's own load "
@@ -165,7 +153,7 @@ void check_output(const std::string& out, const std::string& shown, const std::s
            " exists and is not a folder; remove it or choose another --step (--overwrite replaces step folders only)");
     if (!overwrite)
       fail(ErrorCode::kInvalidArgument, "convert: ", io::join(shown, step),
-           io::is_file(io::join(dst, native::kMetadataFile)) ? " already holds a checkpoint" : " already exists",
+           is_native_step(dst) ? " already holds a checkpoint" : " already exists",
            "; pass --overwrite to replace it or choose another --step");
   }
   const std::string latest = io::join(out, native::kLatestFile);

@@ -36,6 +36,9 @@ class Xxh3Stream {
 };
 /// 16 random hex digits.
 std::string make_nonce();
+/// A value read from a file for a message: quoted, cut at 40 bytes with its length said
+/// ("'abc'", "'<40 bytes>' (3000 bytes, cut)"); fail() escapes what would break the line.
+std::string quoted_cut(const std::string& v);
 
 /// Per buffer, the indices of its pieces.
 std::vector<std::vector<int>> pieces_by_buffer(const Layout& L);
@@ -61,3 +64,9 @@ void save_all_ranks_with(const std::string& root, const std::string& step, const
                          const std::function<std::vector<const void*>(int rank)>& provide);
 
 }  // namespace reshard::native
+
+namespace reshard {
+/// A folder holding DeepSpeed's per-step files (*_model_states.pt) / a native step (metadata.json).
+bool is_deepspeed_step(const std::string& dir);
+bool is_native_step(const std::string& dir);
+}  // namespace reshard

@@ -17,14 +17,6 @@ bool ends_with(const std::string& s, const std::string& suf) {
   return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
 }
 
-bool is_native_step(const std::string& dir) { return io::is_file(io::join(dir, native::kMetadataFile)); }
-
-bool is_deepspeed_step(const std::string& dir) {
-  if (!io::is_dir(dir)) return false;
-  for (const auto& n : io::list_dir(dir))
-    if (ends_with(n, "_model_states.pt")) return true;
-  return false;
-}
 
 std::string trim(std::string s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
@@ -115,6 +107,15 @@ std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOp
 
 }  // namespace
 
+bool is_native_step(const std::string& dir) { return io::is_file(io::join(dir, native::kMetadataFile)); }
+
+bool is_deepspeed_step(const std::string& dir) {
+  if (!io::is_dir(dir)) return false;
+  for (const auto& n : io::list_dir(dir))
+    if (ends_with(n, "_model_states.pt")) return true;
+  return false;
+}
+
 std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, const OpenOptions& opt) {
   std::string path = path_in;
   while (path.size() > 1 && path.back() == '/') path.pop_back();
@@ -148,9 +149,7 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
     notes.push_back("loading the asked step " + step);
   } else if (io::is_file(latest)) {
     step = trim(io::read_text(latest, 4096));
-    // What `latest` holds, cut at 40 bytes in messages (it may be a link to any file).
-    const std::string shown = "'" + step.substr(0, 40) + "'" +
-                              (step.size() > 40 ? " (" + std::to_string(step.size()) + " bytes, cut)" : std::string());
+    const std::string shown = native::quoted_cut(step);  // it may be a link to any file
     if (!plain_name(step)) fail(ErrorCode::kDataLoss, latest, " holds ", shown, ", which is not a step folder name");
     if (!io::is_dir(io::join(path, step)))
       fail(ErrorCode::kNotFound, latest, " names step ", shown, " but no such folder exists in ", path,

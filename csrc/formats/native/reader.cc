@@ -144,11 +144,6 @@ class NativeReader final : public CheckpointReader {
     const std::string digits = name.substr(5, name.size() - 5 - 12);
     return digits.size() > 9 ? -1 : std::stoi(digits);
   }
-  // A value read from a header, quoted and cut at 40 bytes (fail() escapes what would break the line).
-  static std::string shown(const std::string& v) {
-    return "'" + (v.size() > 40 ? v.substr(0, 40) : v) + "'" +
-           (v.size() > 40 ? " (" + std::to_string(v.size()) + " bytes, cut)" : std::string());
-  }
   // The writer records each file's rank and the save's id in the file's __metadata__ and the id in
   // metadata.json (format.md §2-§3). Two rank files swapped, or one copied in from another save,
   // keep their own checksums and shapes: pieces a load cuts between ranks are not checked by
@@ -161,17 +156,17 @@ class NativeReader final : public CheckpointReader {
     if (rank_it == meta.end() && save_it == meta.end() && save.empty()) return;
     if (rank_it == meta.end() || save_it == meta.end())
       fail(ErrorCode::kDataLoss, path, ": the file's safetensors header records ",
-           rank_it == meta.end() ? "no rank" : "rank " + shown(rank_it->second), " and ",
-           save_it == meta.end() ? "no save id" : "save id " + shown(save_it->second), " (", kMetadataFile,
-           save.empty() ? " has no save id" : " has save id " + shown(save),
+           rank_it == meta.end() ? "no rank" : "rank " + quoted_cut(rank_it->second), " and ",
+           save_it == meta.end() ? "no save id" : "save id " + quoted_cut(save_it->second), " (", kMetadataFile,
+           save.empty() ? " has no save id" : " has save id " + quoted_cut(save),
            "); reshard's writer records both in every file of a save: the file was edited, or comes from another save");
     if (rank_it->second != std::to_string(file_rank))
-      fail(ErrorCode::kDataLoss, path, ": the file holds the buffers of rank ", shown(rank_it->second),
+      fail(ErrorCode::kDataLoss, path, ": the file holds the buffers of rank ", quoted_cut(rank_it->second),
            " (its safetensors header's __metadata__ says so), but ", kMetadataFile, " puts rank ", file_rank,
            "'s buffers in it: rank files were renamed, swapped or copied over one another after the save");
     if (save_it->second != save)
       fail(ErrorCode::kDataLoss, path, ": the file was written by another save than ", kMetadataFile, " (save id ",
-           shown(save_it->second), " in the file's header, ", save.empty() ? "none" : shown(save), " in ", kMetadataFile,
+           quoted_cut(save_it->second), " in the file's header, ", save.empty() ? "none" : quoted_cut(save), " in ", kMetadataFile,
            "): a rank file was copied in from another checkpoint, or the folder mixes two saves");
   }
   // The record's `layout`: the digest of the layout the writer saved (layout_digest). An edit of
@@ -184,7 +179,7 @@ class NativeReader final : public CheckpointReader {
     auto layout_it = meta.find("layout");
     if (layout_it != meta.end() && layout_it->second != layout)
       fail(ErrorCode::kDataLoss, kMetadataFile, " of ", dir_, " does not describe the layout its data files were saved "
-           "with (layout digest ", shown(layout_it->second), " in ", path, ", ", shown(layout), " computed from ",
+           "with (layout digest ", quoted_cut(layout_it->second), " in ", path, ", ", quoted_cut(layout), " computed from ",
            kMetadataFile, "): ", kMetadataFile, " was edited or damaged after the save (its pieces, buffers, arrays, "
            "tensors, model or topology), so its offsets and labels cannot be trusted");
   }

@@ -44,6 +44,10 @@ void check_step_name(const std::string& step) {
 }
 
 
+std::string quoted_cut(const std::string& v) {
+  return "'" + v.substr(0, 40) + "'" + (v.size() > 40 ? " (" + std::to_string(v.size()) + " bytes, cut)" : std::string());
+}
+
 std::string xxh3_hex(const void* data, size_t bytes) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits(data, bytes));
