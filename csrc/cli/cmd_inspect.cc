@@ -184,9 +184,9 @@ Command inspect_command() {
     }
     // Text read from the files (paths, names, notes) is printed on one line each (detail::one_line):
     // a name holding a newline must not forge a line of this report.
-    const auto line = [](const std::string& t) { return detail::one_line(t); };
-    std::printf("%s: %s checkpoint, layout %s (world size %d), model %s\n", line(ckpt->path()).c_str(),
-                line(ckpt->writer()).c_str(), L.topo.to_string().c_str(), L.topo.world_size(), line(m.name).c_str());
+    using detail::one_line;
+    std::printf("%s: %s checkpoint, layout %s (world size %d), model %s\n", one_line(ckpt->path()).c_str(),
+                one_line(ckpt->writer()).c_str(), L.topo.to_string().c_str(), L.topo.world_size(), one_line(m.name).c_str());
     std::printf("iteration %lld, optimizer step %lld, consumed samples %lld\n", (long long)st.iteration,
                 (long long)st.step, (long long)st.consumed_samples);
     std::printf("%zu tensor(s), %zu buffer(s), %.6f GB of state in %zu file(s) (%.6f GB on disk)\n", L.tensors.size(),
@@ -194,7 +194,7 @@ Command inspect_command() {
     for (const auto& j : tensors) {
       std::string states;
       for (const auto& x : j["states"]) states += (states.empty() ? "" : ",") + x.get<std::string>();
-      std::printf("  %-55s %-14s %-5s %s\n", line(j["name"].get<std::string>()).c_str(),
+      std::printf("  %-55s %-14s %-5s %s\n", one_line(j["name"].get<std::string>()).c_str(),
                   shape_str(j["shape"].get<std::vector<int64_t>>()).c_str(), j["dtype"].get<std::string>().c_str(),
                   states.c_str());
       if (j.contains("stats"))
@@ -218,10 +218,10 @@ Command inspect_command() {
     }
     std::printf("files:\n");
     for (const auto& j : sizes)
-      std::printf("  %s %s\n", line(j["name"].get<std::string>()).c_str(),
+      std::printf("  %s %s\n", one_line(j["name"].get<std::string>()).c_str(),
                   j["present"].get<bool>() ? (std::to_string(j["bytes"].get<uint64_t>()) + " bytes").c_str() : "MISSING");
-    for (const auto& p : problems) std::printf("problem: %s\n", line(p).c_str());
-    for (const auto& n : ckpt->notes()) std::printf("note: %s\n", line(n).c_str());
+    for (const auto& p : problems) std::printf("problem: %s\n", one_line(p).c_str());
+    for (const auto& n : ckpt->notes()) std::printf("note: %s\n", one_line(n).c_str());
     return 0;
   };
   return c;

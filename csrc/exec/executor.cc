@@ -946,12 +946,10 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         const Buffer& b = target.buffers[dv.buffer];
         written = true;
         try {
-          naming_buffer(b, [&] {
-            unpack_box(data, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base), b.dtype, rel, dv.strides,
-                       Store::kStream);
-          });
+          unpack_box(data, f.src_dtype, live_at(target, buffers, dv.buffer, dv.base), b.dtype, rel, dv.strides,
+                     Store::kStream);
         } catch (const Error& e) {
-          if (late_err.empty()) late_err = "group fan-out of wave " + std::to_string(w) + ": " + e.what();
+          if (late_err.empty()) late_err = "group fan-out of wave " + std::to_string(w) + ": buffer " + b.name + ": " + e.what();
         }
         wrote(dv.buffer, rel.numel());
       }
