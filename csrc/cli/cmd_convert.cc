@@ -156,6 +156,7 @@ void check_output(const std::string& out, const std::string& shown, const std::s
            is_native_step(dst) ? " already holds a checkpoint" : " already exists",
            "; pass --overwrite to replace it or choose another --step");
   }
+  // The save refuses this too (commit_step), but only after writing every data file.
   const std::string latest = io::join(out, native::kLatestFile);
   const auto latest_status = std::filesystem::symlink_status(latest, ec);
   if (std::filesystem::is_directory(latest_status))
