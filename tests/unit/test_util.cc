@@ -1,6 +1,7 @@
 #include "unit/test_util.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cctype>
 #include <chrono>
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 #include <vector>
 
@@ -67,13 +69,42 @@ std::string source_path(const std::string& relative) {
 #endif
 }
 
+namespace {
+
+// The directories make_temp_dir created in this process, removed when it exits normally (a
+// test that returns early, skips or fails would otherwise leave its directory behind: dozens had
+// piled up in /tmp from repeated runs). Only the process that created a directory removes it: a
+// forked child that exits must not delete what its parent still uses.
+struct TempDirs {
+  std::mutex mu;
+  std::vector<std::string> paths;
+  pid_t owner = ::getpid();
+  ~TempDirs() {
+    if (::getpid() != owner || std::getenv("RESHARD_KEEP_TEST_DIRS")) return;
+    for (const auto& p : paths) {
+      std::error_code ec;
+      std::filesystem::remove_all(p, ec);  // best effort: a test may have made a file immutable
+    }
+  }
+};
+
+TempDirs& temp_dirs() {
+  static TempDirs dirs;
+  return dirs;
+}
+
+}  // namespace
+
 std::string make_temp_dir(const std::string& prefix) {
   const char* base = std::getenv("TMPDIR");
   std::string tmpl = std::string(base ? base : "/tmp") + "/" + prefix + "XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
-  return std::string(buf.data());
+  TempDirs& dirs = temp_dirs();
+  std::lock_guard<std::mutex> lock(dirs.mu);
+  dirs.paths.emplace_back(buf.data());
+  return dirs.paths.back();
 }
 
 uint64_t latest_inode(const std::string& root) {

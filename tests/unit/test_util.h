@@ -14,7 +14,10 @@ uint64_t test_seed(const char* test_name);
 /// Absolute path of a file in the source tree (configs, fixtures).
 std::string source_path(const std::string& relative);
 
-/// A fresh empty temporary directory, removed by the OS or by the test.
+/// A fresh empty temporary directory under $TMPDIR (else /tmp), named PREFIX + 6 random characters.
+/// Removed with everything in it when the process that created it exits normally (set
+/// RESHARD_KEEP_TEST_DIRS to keep them for a look after a failure); a test may remove it sooner.
+/// Throws std::runtime_error naming the template when mkdtemp fails.
 std::string make_temp_dir(const std::string& prefix);
 
 /// Inode of ROOT/latest (0 when absent): a save that commits replaces it by rename, so a change
