@@ -6,13 +6,12 @@
 
 namespace reshard {
 
-/// Collective (all-reduces the byte counts). Fills everything but seconds and gbps, which the
-/// caller sets from its own clock with finish_load_report.
+/// Collective: one all-gather of every rank's byte counts, peaks and `local_seconds` (this
+/// rank's wall time of the load so far). Fills the report, seconds (max over ranks) and gbps
+/// (target_bytes / seconds / 1e9) included. Throws Error(kInternal) if a rank's totals arrive
+/// malformed.
 LoadReport assemble_load_report(const Plan& plan, const Layout& target, const CheckpointReader& ckpt,
                                 const ExecStats& st, uint64_t peak_staging_bytes, ReplicaPolicy policy,
-                                Communicator& comm);
-
-/// Sets seconds (max over ranks of `local_seconds`) and gbps. Collective.
-void finish_load_report(LoadReport& r, double local_seconds, Communicator& comm);
+                                double local_seconds, Communicator& comm);
 
 }  // namespace reshard

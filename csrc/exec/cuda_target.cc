@@ -641,11 +641,10 @@ LoadReport load_to_cuda(const CheckpointReader& ckpt, const Layout& target, cons
   {
     const double plan_seconds = r.plan_seconds;
     r = assemble_load_report(plan, target, ckpt, st, direct ? cs.pinned_bytes : st.peak_staging_bytes,
-                             options.plan.replica_policy, comm);
+                             options.plan.replica_policy, since(t0), comm);
     r.plan_seconds = plan_seconds;
   }
   r.policies.push_back("CUDA: " + cs.path + " path, source " + cs.source + ", device " + std::to_string(device));
-  finish_load_report(r, since(t0), comm);
   if (stats_out) *stats_out = cs;
   return r;
 }
