@@ -1,5 +1,7 @@
 #include "reshard/strided.h"
 
+#include "core/xxh3_range.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -196,18 +198,20 @@ void unpack_box(const void* packed, DType from, void* base, DType to, const Box&
   if (store == Store::kStream) store_fence();
 }
 
-void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& src_strides, void* dst, DType to,
-              const std::array<int64_t, kMaxDims>& dst_strides, const Box& box, Store store) {
+namespace {
+
+// Calls fn(src_offset, dst_offset, count) (in elements) for each run of the box that is
+// contiguous in both memories, in the box's row-major order: trailing dims contiguous in both
+// are merged into one run; a strided innermost dim gives runs of one element.
+template <typename Fn>
+void for_each_copy_run(const Box& box, const std::array<int64_t, kMaxDims>& src_strides,
+                       const std::array<int64_t, kMaxDims>& dst_strides, Fn fn) {
   const int nd = box.ndim;
   if (box.numel() == 0) return;
-  const size_t fs = dtype_size(from), ts = dtype_size(to);
-  const auto* s = static_cast<const uint8_t*>(src);
-  auto* d = static_cast<uint8_t*>(dst);
   if (nd == 0) {
-    convert_elements(s, from, d, to, 1);
+    fn(int64_t(0), int64_t(0), int64_t(1));
     return;
   }
-  // Merge trailing dims that are contiguous in both memories into one run of `run` elements.
   int inner = nd - 1;
   int64_t run = 1;
   if ((src_strides[inner] == 1 || box.len[inner] == 1) && (dst_strides[inner] == 1 || box.len[inner] == 1)) {
@@ -228,12 +232,41 @@ void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& 
       so += ix[k] * src_strides[k];
       dof += ix[k] * dst_strides[k];
     }
-    copy_run(s + so * int64_t(fs), from, d + dof * int64_t(ts), to, size_t(run), store);
+    fn(so, dof, run);
     int k = outer - 1;
     while (k >= 0 && ++ix[k] >= box.len[k]) ix[k--] = 0;
     if (k < 0) break;
   }
+}
+
+}  // namespace
+
+void copy_box(const void* src, DType from, const std::array<int64_t, kMaxDims>& src_strides, void* dst, DType to,
+              const std::array<int64_t, kMaxDims>& dst_strides, const Box& box, Store store) {
+  if (box.numel() == 0) return;
+  const size_t fs = dtype_size(from), ts = dtype_size(to);
+  const auto* s = static_cast<const uint8_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+  for_each_copy_run(box, src_strides, dst_strides, [&](int64_t so, int64_t dof, int64_t run) {
+    copy_run(s + so * int64_t(fs), from, d + dof * int64_t(ts), to, size_t(run), store);
+  });
   if (store == Store::kStream) store_fence();
+}
+
+void copy_box_hashing(const void* src, DType from, const std::array<int64_t, kMaxDims>& src_strides, void* dst, DType to,
+                      const std::array<int64_t, kMaxDims>& dst_strides, const Box& box, Xxh3Range& hash) {
+  const size_t fs = dtype_size(from), ts = dtype_size(to);
+  const auto* s = static_cast<const uint8_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+  for_each_copy_run(box, src_strides, dst_strides, [&](int64_t so, int64_t dof, int64_t run) {
+    const uint8_t* rs = s + so * int64_t(fs);
+    if (from == to) {
+      hash.copy(d + dof * int64_t(ts), rs, uint64_t(run) * fs);
+    } else {
+      convert_elements(rs, from, d + dof * int64_t(ts), to, size_t(run));
+      hash.hash_upto(rs + uint64_t(run) * fs);
+    }
+  });
 }
 
 void for_each_slab(const Box& box, int64_t max_elems,

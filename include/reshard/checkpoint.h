@@ -34,6 +34,17 @@ class RangeCheck {
   /// Empty when the bytes given match the stored checksum, else a message naming file, tensor or
   /// record, byte range, stored and computed values.
   virtual std::string finish() = 0;
+  /// True when the stored checksum is XXH3-64 (seed 0, default secret) of the range's bytes, as
+  /// the native format's are (docs/format.md): a caller that computes that digest itself (the
+  /// executor, fused with its copy: csrc/core/xxh3_range.h) then calls finish_xxh3_64 instead of
+  /// update() and finish().
+  virtual bool is_xxh3_64() const { return false; }
+  /// finish() for a digest the caller computed over the whole range: the same verdict and
+  /// message. Only where is_xxh3_64(); elsewhere returns a message saying so (never "").
+  virtual std::string finish_xxh3_64(uint64_t digest) {
+    (void)digest;
+    return "internal error: this checksum is not XXH3-64; the range must go through update()";
+  }
 };
 
 /// A checkpoint opened for reading. Reads are positioned and thread-safe.

@@ -74,8 +74,14 @@ class NativeReader final : public CheckpointReader {
       int piece;
       Xxh3Stream h;
       void update(const void* data, size_t n) override { h.update(data, n); }
-      std::string finish() override {
-        std::string got = h.hex();
+      std::string finish() override { return verdict(h.hex()); }
+      bool is_xxh3_64() const override { return true; }  // writer.cc: XXH3 streaming state, seed 0
+      std::string finish_xxh3_64(uint64_t digest) override {
+        char hex[17];
+        std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)digest);
+        return verdict(hex);
+      }
+      std::string verdict(const std::string& got) const {
         const std::string& want = r->checksums_[piece];
         return got == want ? std::string() : r->describe_piece(piece) + ": xxh3 mismatch (stored " + want + ", computed " + got + ")";
       }
