@@ -133,20 +133,19 @@ Header parse_header(std::string_view text, const std::string& what) {
            t.end - t.begin, " bytes but shape and dtype ", t.dtype, " need ", uint64_t(nbits / 8));
     h.tensors.emplace(name, std::move(t));
   }
-  // The offsets must tile [0, buffer_size) exactly.
-  std::vector<std::pair<uint64_t, const std::string*>> order;
-  for (const auto& [n, t] : h.tensors) order.push_back({t.begin, &n});
-  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
-    const auto& ta = h.tensors.at(*a.second);
-    const auto& tb = h.tensors.at(*b.second);
-    if (ta.begin != tb.begin) return ta.begin < tb.begin;
-    return ta.end < tb.end;
+  // The offsets must tile [0, buffer_size) exactly. Sorted by (begin, end) with the offsets at
+  // hand (the comparator used to look both names up in the map on every comparison).
+  struct Span { uint64_t begin, end; const std::string* name; };
+  std::vector<Span> order;
+  order.reserve(h.tensors.size());
+  for (const auto& [n, t] : h.tensors) order.push_back({t.begin, t.end, &n});
+  std::sort(order.begin(), order.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   uint64_t at = 0;
-  for (const auto& [begin, name] : order) {
-    const auto& t = h.tensors.at(*name);
+  for (const Span& t : order) {
     if (t.begin != at)
-      fail(ErrorCode::kDataLoss, what, ": tensor '", *name, "' data_offsets [", t.begin, ", ", t.end, ") ",
+      fail(ErrorCode::kDataLoss, what, ": tensor '", *t.name, "' data_offsets [", t.begin, ", ", t.end, ") ",
            t.begin > at ? "leave a hole after byte " : "overlap the previous tensor, which ends at byte ", at,
            " (offsets must tile the buffer)");
     at = t.end;
