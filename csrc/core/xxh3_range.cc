@@ -116,8 +116,10 @@ __attribute__((target("avx2"))) inline void stripes_avx2(__m256i acc[2], const u
   }
 }
 
-// The fused loop: dst + head is 64-byte aligned, body a multiple of 128. Each 128 bytes copied
-// (unaligned loads, non-temporal stores) lets the stripes that end by them be hashed from L1.
+// The fused loop: body a multiple of 128 (and, when streaming, d 64-byte aligned). Each 128
+// bytes copied (unaligned loads; non-temporal or ordinary stores) lets the stripes that end by
+// them be hashed from L1.
+template <bool kStreamStores>
 __attribute__((target("avx2"))) void copy_hash_avx2(uint8_t* d, const uint8_t* s, uint64_t body, uint64_t rel,
                                                     uint64_t acc_mem[8], const uint8_t* base, uint64_t& next,
                                                     uint64_t& stripes, uint64_t regular) {
@@ -128,10 +130,17 @@ __attribute__((target("avx2"))) void copy_hash_avx2(uint8_t* d, const uint8_t* s
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 64));
     const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
+    if constexpr (kStreamStores) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), a);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
+    }
     stripes_avx2(acc, base, next, stripes, regular, rel + i + 128);
   }
   _mm256_store_si256(reinterpret_cast<__m256i*>(acc_mem), acc[0]);
@@ -183,17 +192,21 @@ void Xxh3Range::hash_upto(const void* end) {
   }
 }
 
-void Xxh3Range::copy(void* dst, const void* src, uint64_t n) {
+void Xxh3Range::copy(void* dst, const void* src, uint64_t n, Store store) {
   auto* d = static_cast<uint8_t*>(dst);
   const auto* s = static_cast<const uint8_t*>(src);
 #ifdef RESHARD_X86
   if (use_avx2() && n >= 4 * 64) {
-    const uint64_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+    const bool stream = store == Store::kStream;
+    // Streaming stores need whole aligned lines: the partial first line gets ordinary stores.
+    const uint64_t head = stream ? (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63 : 0;
     std::memcpy(d, s, head);
     const uint64_t body = (n - head) / 128 * 128;
-    copy_hash_avx2(d + head, s + head, body, uint64_t(s + head - base_), acc_, base_, next_, stripes_, regular_);
+    const uint64_t rel = uint64_t(s + head - base_);
+    if (stream) copy_hash_avx2<true>(d + head, s + head, body, rel, acc_, base_, next_, stripes_, regular_);
+    else copy_hash_avx2<false>(d + head, s + head, body, rel, acc_, base_, next_, stripes_, regular_);
     std::memcpy(d + head + body, s + head + body, n - head - body);
-    _mm_sfence();
+    if (stream) _mm_sfence();
     hash_upto(s + n);
     return;
   }

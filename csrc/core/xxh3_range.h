@@ -6,6 +6,7 @@
 
 #include "reshard/dtype.h"
 #include "reshard/layout.h"
+#include "reshard/strided.h"
 
 namespace reshard {
 
@@ -25,12 +26,13 @@ class Xxh3Range {
  public:
   Xxh3Range(const void* base, uint64_t len);
 
-  /// Copies n bytes from src to dst (no overlap; any alignment) with non-temporal stores where the
-  /// CPU has AVX2 (ordinary ones elsewhere) and hashes every stripe of the range that ends at or
-  /// before src + n. src must lie in the range; successive calls should move forward through it
-  /// (a stripe is hashed once, when the first call reaching its end passes it). Ends with a store
-  /// fence: the bytes are visible to other threads once it returns.
-  void copy(void* dst, const void* src, uint64_t n);
+  /// Copies n bytes from src to dst (no overlap; any alignment) and hashes every stripe of the
+  /// range that ends at or before src + n. src must lie in the range; successive calls should move
+  /// forward through it (a stripe is hashed once, when the first call reaching its end passes
+  /// it). `store` as for copy_box (reshard/strided.h): kStream writes whole 64-byte lines with
+  /// non-temporal stores where the CPU has AVX2 and ends with a store fence; kCached writes
+  /// through the cache (buffers read again at once: send slots, staging).
+  void copy(void* dst, const void* src, uint64_t n, Store store = Store::kStream);
 
   /// Hashes every stripe that ends at or before `end` (a pointer into the range, or its end) and
   /// that no call has hashed yet; for bytes copied some other way (a dtype conversion).

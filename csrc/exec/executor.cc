@@ -689,7 +689,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
         if (m.verify && m.dst) {
           // A checked fragment is dense in file order: packing it is a byte copy.
           std::string bad = check_slabs(f, m.src, [&](const Box&, uint64_t at, uint64_t n, Xxh3Range* hash) {
-            if (hash) hash->copy(m.dst + at, m.src + at, n);
+            if (hash) hash->copy(m.dst + at, m.src + at, n, Store::kCached);  // read again at once
             else std::memcpy(m.dst + at, m.src + at, n);
           });
           if (!bad.empty()) throw Error(ErrorCode::kDataLoss, bad);

@@ -1,7 +1,7 @@
 // Xxh3Range (csrc/core/xxh3_range.h) against libxxhash's XXH3_64bits: every length around the
 // algorithm's boundaries (240 bytes, stripes of 64, blocks of 1 KiB), copies cut into runs of any
-// size at any alignment, the AVX2 and the portable path, and copy_box_hashing with strided
-// destinations and dtype conversion.
+// size at any alignment, with streaming and ordinary stores, the AVX2 and the portable path, and
+// copy_box_hashing with strided destinations and dtype conversion.
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
@@ -70,7 +70,7 @@ TEST(Xxh3Range, CopiesInRunsOfAnySizeHashAndCopyExactly) {
       const size_t max_run = trial % 3 == 0 ? 100 : trial % 3 == 1 ? 5000 : 70000;
       for (size_t at = 0; at < len;) {
         const size_t n = std::min(len - at, size_t(1 + rng() % max_run));
-        h.copy(out.data() + dst_off + at, src + at, n);
+        h.copy(out.data() + dst_off + at, src + at, n, (at / 4096) % 2 ? Store::kCached : Store::kStream);
         at += n;
       }
       ASSERT_EQ(h.digest(), XXH3_64bits(src, len)) << "len " << len << " trial " << trial << " portable " << portable;
