@@ -62,13 +62,15 @@ std::vector<std::string> check_pieces(const CheckpointReader& ckpt, int part, in
 }
 
 // convert writes new checksums over what it read: say how much of that it checked first.
-void warn_unchecked(const std::string& verify, uint64_t checked, uint64_t read) {
-  if (checked >= read) return;
+// `unchecked`: bytes read that no check of the source's checksums covered (LoadReport::
+// bytes_unchecked; not "read minus checked", which a unit checked by several ranks overstates).
+void warn_unchecked(const std::string& verify, uint64_t unchecked, uint64_t read) {
+  if (unchecked == 0) return;
   std::fprintf(stderr,
-               "reshard: warning: --verify %s checked %.6f of the %.6f GB read against the source's checksums; the "
-               "output's new checksums cover the unchecked bytes as they were read (--verify full, the default, "
-               "checks every source piece first)\n",
-               verify.c_str(), checked / 1e9, read / 1e9);
+               "reshard: warning: --verify %s left %.6f of the %.6f GB read unchecked against the source's "
+               "checksums; the output's new checksums cover those bytes as they were read (--verify full, the "
+               "default, checks every source piece first)\n",
+               verify.c_str(), unchecked / 1e9, read / 1e9);
 }
 
 // Source data files that do not exist, for a coverage error's message.
@@ -290,7 +292,7 @@ Command convert_command() {
         if (rank == 0) {
           std::fputs(r.to_text().c_str(), stdout);
           // Re-reads by a second rank of a machine are checked once (by the first), not again.
-          if (a->verify != "full") warn_unchecked(a->verify, r.bytes_verified, r.bytes_read - r.bytes_reread_on_node);
+          if (a->verify != "full") warn_unchecked(a->verify, r.bytes_unchecked, r.bytes_read - r.bytes_reread_on_node);
           if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first, and the weights against "
                       "their fp32 master\n");
           std::printf("wrote %s/%s (%d ranks under mpirun) in %.3f s\n", a->out.c_str(), step.c_str(), comm->size(),
@@ -316,7 +318,10 @@ Command convert_command() {
         std::printf("  read %.6f GB, wrote %.6f GB of state, %d wave(s)\n", plan.bytes_to_read / 1e9,
                     plan.target_bytes / 1e9, plan.num_waves);
         for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
-        if (a->verify != "full") warn_unchecked(a->verify, checked.load(), plan.bytes_to_read);
+        // One process reads each fragment once, so what was not checked is the rest.
+        if (a->verify != "full")
+          warn_unchecked(a->verify, plan.bytes_to_read - std::min<uint64_t>(checked.load(), plan.bytes_to_read),
+                         plan.bytes_to_read);
         if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first, and the weights against "
                       "their fp32 master\n");
         std::printf("wrote %s/%s (one process) in %.3f s\n", a->out.c_str(), step.c_str(), since(t0));

@@ -28,23 +28,45 @@ std::string configs_dir() {
 }  // namespace
 
 uint64_t parse_size(const std::string& s, const char* what) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  std::string unit = end ? end : "";
-  double mult = 1;
+  // Exact, in integers: digits, an optional fraction (with a unit: 1.5GiB), an optional unit. A
+  // double lost bytes above 2^53 and took "4096.5" and " 4096" (session 14 tester).
+  size_t i = 0;
+  unsigned __int128 whole = 0, frac = 0, scale = 1;
+  const size_t digits_at = i;
+  for (; i < s.size() && s[i] >= '0' && s[i] <= '9'; ++i) {
+    whole = whole * 10 + unsigned(s[i] - '0');
+    if (whole > ~uint64_t(0)) fail(ErrorCode::kInvalidArgument, what, " '", s, "' is too large (at most 2^64 - 1 bytes)");
+  }
+  if (i == digits_at) fail(ErrorCode::kInvalidArgument, what, " '", s, "' is not a size (e.g. 4096, 64KiB, 1.5GiB)");
+  bool has_fraction = false;
+  if (i < s.size() && s[i] == '.') {
+    has_fraction = true;
+    const size_t at = ++i;
+    for (; i < s.size() && s[i] >= '0' && s[i] <= '9'; ++i) {
+      if (i - at >= 9) fail(ErrorCode::kInvalidArgument, what, " '", s, "': at most 9 digits after the point");
+      frac = frac * 10 + unsigned(s[i] - '0');
+      scale *= 10;
+    }
+    if (i == at) fail(ErrorCode::kInvalidArgument, what, " '", s, "' is not a size (e.g. 4096, 64KiB, 1.5GiB)");
+  }
+  const std::string unit = s.substr(i);
+  uint64_t mult = 1;
   if (unit == "" || unit == "B") mult = 1;
-  else if (unit == "KiB") mult = 1024.0;
-  else if (unit == "MiB") mult = 1024.0 * 1024;
-  else if (unit == "GiB") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") mult = 1e3;
-  else if (unit == "MB") mult = 1e6;
-  else if (unit == "GB") mult = 1e9;
+  else if (unit == "KiB") mult = uint64_t(1) << 10;
+  else if (unit == "MiB") mult = uint64_t(1) << 20;
+  else if (unit == "GiB") mult = uint64_t(1) << 30;
+  else if (unit == "KB") mult = 1000;
+  else if (unit == "MB") mult = 1000 * 1000;
+  else if (unit == "GB") mult = 1000 * 1000 * 1000;
   else fail(ErrorCode::kInvalidArgument, what, " '", s, "': unknown unit '", unit, "' (B, KiB, MiB, GiB, KB, MB, GB)");
-  if (!(v > 0)) fail(ErrorCode::kInvalidArgument, what, " '", s, "' must be positive");
-  // 2^64 and above would wrap (a tester's 18446744073709551616 became "0 bytes").
-  if (!(v * mult < 18446744073709551616.0))
-    fail(ErrorCode::kInvalidArgument, what, " '", s, "' is too large (at most 2^64 - 1 bytes)");
-  return uint64_t(v * mult);
+  // bytes = (whole + frac / scale) * mult, which must be a whole number of bytes.
+  const unsigned __int128 num = (whole * scale + frac) * mult;
+  if (has_fraction && num % scale != 0)
+    fail(ErrorCode::kInvalidArgument, what, " '", s, "' is not a whole number of bytes");
+  const unsigned __int128 bytes = num / scale;
+  if (bytes > ~uint64_t(0)) fail(ErrorCode::kInvalidArgument, what, " '", s, "' is too large (at most 2^64 - 1 bytes)");
+  if (bytes == 0) fail(ErrorCode::kInvalidArgument, what, " '", s, "' must be positive");
+  return uint64_t(bytes);
 }
 
 std::string resolve_model_path(const std::string& model) {

@@ -26,8 +26,10 @@ Command bench_command();
 
 std::vector<Command> all_commands();
 
-/// Parses a byte size such as "1GiB", "512MiB", "2GB" or "65536" (units B, KiB, MiB, GiB, KB, MB,
-/// GB; GB = 10^9, GiB = 2^30). `what` names the option in errors (kInvalidArgument).
+/// Parses a byte size such as "1GiB", "512MiB", "2GB", "1.5GiB" or "65536" (units B, KiB, MiB,
+/// GiB, KB, MB, GB; GB = 10^9, GiB = 2^30): digits, a fraction only where it gives a whole number
+/// of bytes, no spaces or signs, 1 to 2^64 - 1 bytes. Anything else is Error(kInvalidArgument)
+/// naming `what` (the option).
 uint64_t parse_size(const std::string& text, const char* what);
 
 /// Resolves a --model argument: a path, or a name under configs/models/ ("tiny-gpt").

@@ -53,6 +53,7 @@ struct ExecStats {
   uint64_t verify_bytes_read = 0;  // replica comparison reads
   uint64_t checksums_verified = 0; // fragments whose stored checksum was checked
   uint64_t bytes_verified = 0;     // their bytes
+  uint64_t bytes_unchecked = 0;    // this rank's storage reads that no checksum check covered
   uint64_t peak_staging_bytes = 0;
   uint64_t peak_verify_bytes = 0;  // the verify=kFull weights-vs-master batches, held at a time
   // read: checksum checks and reads/packs of this rank's fragments; copy: local copies into live

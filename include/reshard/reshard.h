@@ -36,8 +36,8 @@ struct LoadOptions {
   ///    fragments is read whole once more by one rank per machine and checked in the pre-flight,
   ///    before any write (Plan::budget_splits; in verify_bytes_read). Units cut between fragments
   ///    by the layout change itself (a tp split, a ZeRO partition re-cut, a DeepSpeed flat
-  ///    partition read tensor by tensor) are not checked: LoadReport::bytes_verified <
-  ///    bytes_read - bytes_reread_on_node says how much was.
+  ///    partition read tensor by tensor) are not checked: LoadReport::bytes_unchecked says how
+  ///    many bytes, and a note in LoadReport::policies says so.
   ///  - "full": every unit the load touches (also those cut between fragments), read whole by
   ///    one rank and checked in the pre-flight before any write, so any mismatch is kDataLoss
   ///    with no live tensor written; the pass counts in verify_bytes_read. Then the
@@ -63,12 +63,16 @@ struct LoadReport {
   uint64_t bytes_exchanged = 0;   // all ranks, sent to another rank
   uint64_t verify_bytes_read = 0; // all ranks: replica comparison reads and verify="full"'s pass
   uint64_t target_bytes = 0;      // bytes of live state written, all ranks
-  uint64_t checksums_verified = 0;  // all ranks: fragments whose stored checksum was checked
-  /// All ranks: bytes of those fragments (bytes several ranks of one machine read count once).
-  /// With verify="free", bytes_verified < bytes_read - bytes_reread_on_node means some fragments
-  /// were parts of stored pieces (a piece cut between target ranks), which "free" does not
-  /// check; `reshard verify` checks every piece.
+  uint64_t checksums_verified = 0;  // all ranks: checks of stored checksums made (units or fragments)
+  /// All ranks: bytes those checks hashed (bytes several ranks of one machine read count once;
+  /// a unit checked by several ranks, as the memory budget's cut units are when reads are not
+  /// node-local, counts once per check, so this can exceed bytes_read).
   uint64_t bytes_verified = 0;
+  /// All ranks: bytes read from storage (page-cache re-reads by a second rank of a machine not
+  /// counted) that no check covered: with verify="free", the parts of stored pieces cut between
+  /// target ranks (a tp split, a ZeRO re-cut); everything read with "off"; 0 with "full".
+  /// `reshard verify` checks every piece.
+  uint64_t bytes_unchecked = 0;
   /// This rank's own numbers (the totals above are over all ranks).
   uint64_t rank_bytes_read = 0, rank_bytes_sent = 0, rank_bytes_received = 0;
   double read_seconds = 0, copy_seconds = 0, exchange_seconds = 0, scatter_seconds = 0;  // this rank (ExecStats)

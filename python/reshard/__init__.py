@@ -370,8 +370,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     copies are overwritten with NaN if the load fails); a unit the memory budget cuts into
     several fragments is read whole and checked before any write; units cut between ranks by
     the layout change (tp splits, ZeRO re-cuts, DeepSpeed flat partitions read tensor by tensor)
-    are not checked ("bytes_verified" < "bytes_read" - "bytes_reread_on_node" says so, and a
-    "verify=free checked ..." entry in "policies"). Ranks
+    are not checked ("bytes_unchecked" counts those bytes, and a "verify=free did not check ..."
+    entry in "policies" says so). Ranks
     that opened different checkpoints (another step or save) raise FailedPrecondition before any
     write.
     "full" reads every unit the load touches whole on one rank and checks it before any write (all
@@ -384,7 +384,9 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
     "bytes_read", "bytes_reread_on_node" (part of bytes_read that a second rank of a machine read
     from its page cache), "bytes_needed", "bytes_exchanged", "verify_bytes_read", "target_bytes"
-    (bytes, all ranks), "checksums_verified", "bytes_verified", "plan_seconds", "seconds" (wall, max over ranks), "gbps"
+    (bytes, all ranks), "checksums_verified" (checks made), "bytes_verified" (bytes those checks hashed;
+    a unit checked by several ranks counts each time), "bytes_unchecked" (bytes read from storage
+    that no check covered), "plan_seconds", "seconds" (wall, max over ranks), "gbps"
     (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "peak_verify_bytes" (bytes, max over
     ranks), "policies", "not_carried",
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,

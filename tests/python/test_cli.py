@@ -87,7 +87,7 @@ def test_convert_checks_every_source_piece_unless_told_otherwise_and_then_warns(
     assert not (tmp_path / "out_full").exists()
     r = run("convert", ck, tmp_path / "out_free", "--target", "tp=2,dp=1,zero=1", "--verify", "free")
     assert r.returncode == 0, r.stderr
-    assert "warning: --verify free checked" in r.stderr and "cover the unchecked bytes" in r.stderr, r.stderr
+    assert "warning: --verify free left" in r.stderr and "GB read unchecked" in r.stderr, r.stderr
     r = run("convert", ck, tmp_path / "out_bogus", "--target", "tp=2,dp=1,zero=1", "--verify", "bogus")
     assert r.returncode == 2 and "bogus" in r.stderr
 
@@ -99,13 +99,42 @@ def test_synth_refuses_a_negative_seed(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("budget", ["18446744073709551616", "1e30GiB", "inf"])
-def test_a_memory_budget_too_large_for_64_bits_is_refused(budget):
-    """It used to wrap: a tester's 2^64 became "memory budget 0 bytes is below the minimum"."""
+@pytest.mark.parametrize("budget,says", [
+    ("18446744073709551616", "is too large"), ("18446744073709551615GiB", "is too large"),
+    ("1e30GiB", ": unknown unit 'e30GiB'"), ("inf", "is not a size"), (" 65536", "is not a size"),
+    ("-65536", "is not a size"), ("65536.5", "is not a whole number of bytes"),
+    ("1.0001MiB", "is not a whole number of bytes"), ("0", "must be positive"), ("0.0GiB", "must be positive")])
+def test_sizes_are_parsed_exactly_or_refused(budget, says):
+    """Sizes are parsed in integers. A 2^64 used to wrap (a tester's became "memory budget 0 bytes
+    is below the minimum"), and parsing through a double took "4096.5", " 4096" and 2^53 + 1."""
     r = run("plan", "--model", ROOT / "configs/models/tiny-gpt.yaml", "--source", "tp=1", "--target", "tp=2",
             "--memory-budget", budget)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert f"--memory-budget '{budget}' is too large" in r.stderr, r.stderr
+    assert f"--memory-budget '{budget}'{'' if says.startswith(':') else ' '}{says}" in r.stderr, r.stderr
+
+
+def test_sizes_with_a_fraction_and_a_unit_are_whole_bytes():
+    r = run("plan", "--model", ROOT / "configs/models/tiny-gpt.yaml", "--source", "tp=1", "--target", "tp=2",
+            "--memory-budget", "1.5MiB", "--json")
+    assert r.returncode == 0, r.stderr
+    r = run("bench", "memcpy", "--bytes", "1.5KiB", "--repeat", "1")
+    assert r.returncode == 0 and json.loads(r.stdout)["bytes"] == 1536, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args,says", [
+    (["memcpy", "--bytes", "18446744073709549568"], "cannot allocate 18446744073709549568 bytes"),
+    (["memcpy", "--bytes", "1MiB", "--threads", "100000"], "not in range 1 to 1024"),
+    (["read-ceiling", "FILE", "--small-buffer", "--small", "18446744073709549568"], "cannot allocate"),
+    (["read-ceiling", "FILE", "--chunk", "1000"], "must be a positive multiple of 4096 bytes"),
+    (["read-ceiling", "FILE", "--chunk", "9007199254740993"], "must be a positive multiple of 4096 bytes")])
+def test_bench_ceilings_refuse_sizes_and_threads_they_cannot_use(tmp_path, args, says):
+    """A session 14 tester crashed both ceilings: a size that wrapped to 0 when rounded up to a page
+    (segfault), an allocation failing inside a worker thread and 100000 threads (aborts)."""
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"x" * 10000)
+    r = run("bench", *[str(f) if a == "FILE" else a for a in args])
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert says in r.stderr, r.stderr
 
 
 def test_bad_model_file_names_field(tmp_path):

@@ -150,20 +150,32 @@ def test_allocate_gives_tensors_load_accepts(tmp_path):
         reshard.allocate("tp=1,pp=1,dp=1,zero=1", 0)
     # verify="full" on a clean checkpoint: every piece the load reads is checked, before any write.
     rep = reshard.load(str(tmp_path), L, live, verify="full")
-    assert rep["bytes_verified"] >= rep["bytes_read"] > 0, rep
+    assert rep["bytes_verified"] >= rep["bytes_read"] > 0 and rep["bytes_unchecked"] == 0, rep
     with pytest.raises(reshard.InvalidArgument, match="must be off, free or full"):
         reshard.load(str(tmp_path), L, live, verify="always")
 
 
 def test_the_report_notes_only_what_verify_free_did_not_check(tmp_path):
     """One process reads every stored piece whole, so "free" checks all of it and the report adds
-    no "verify=free checked ..." note (MpiLoad.FullVerifyChecksPiecesCutBetweenRanks... shows the
-    note where a tp split cuts pieces between ranks)."""
+    no "verify=free did not check ..." note; a budget that cuts pieces has them checked in the
+    pre-flight, still no note (MpiLoad.FullVerifyChecksPiecesCutBetweenRanks... and
+    MpiLoad.TheUncheckedNoteCountsFragmentsNotTotals show the note where pieces are cut between
+    ranks)."""
     m = reshard.model_config(TINY)
     reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=1,dp=2,zero=1", 4)
     L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=3")
     rep = reshard.load(str(tmp_path), L, reshard.allocate(L))
-    assert rep["bytes_verified"] == rep["bytes_read"] > 0, rep
+    assert rep["bytes_verified"] == rep["bytes_read"] > 0 and rep["bytes_unchecked"] == 0, rep
+    assert not [p for p in rep["policies"] if p.startswith("verify=free")], rep["policies"]
+    rep = reshard.load(str(tmp_path), L, reshard.allocate(L), verify="off")
+    assert rep["bytes_unchecked"] == rep["bytes_read"] > 0 and rep["bytes_verified"] == 0, rep
+    # Pieces of 512 KiB (fp32 word embeddings, 1024 x 128) under a 64 KiB budget: cut into
+    # fragments, each piece checked whole in the pre-flight instead; nothing unchecked.
+    m2 = reshard.model_config(dict(TINY, name="mid-f32", hidden=128, ffn=256, vocab=1024, vocab_divisible_by=64))
+    reshard.synth_checkpoint(str(tmp_path / "mid"), m2, "tp=1,pp=1,dp=1,zero=1", 5)
+    L2 = reshard.derive_layout(m2, "tp=1,pp=1,dp=1,zero=1")
+    rep = reshard.load(str(tmp_path / "mid"), L2, reshard.allocate(L2), policies={"memory_budget_bytes": 65536})
+    assert rep["bytes_unchecked"] == 0 and rep["verify_bytes_read"] > 0 and rep["waves"] > 1, rep
     assert not [p for p in rep["policies"] if p.startswith("verify=free")], rep["policies"]
 
 

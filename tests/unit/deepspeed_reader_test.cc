@@ -1128,6 +1128,7 @@ TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
     auto mem = live();
     LoadReport r = load(*reader, target, ptrs(mem), *comm);  // "free": the cut record is not checked
     EXPECT_LT(r.bytes_verified, r.bytes_read);
+    EXPECT_GT(r.bytes_unchecked, 0u);
   }
   auto mem = live();
   LoadOptions o;
@@ -1151,6 +1152,7 @@ TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
   LoadReport full = load(*ok, target, ptrs(mem2), *comm, o);
   EXPECT_GT(full.verify_bytes_read, 0u);
   EXPECT_GE(full.bytes_verified, full.bytes_read) << "full checks every record the load reads from";
+  EXPECT_EQ(full.bytes_unchecked, 0u);
   fs::remove_all(fs::path(step).parent_path());
   fs::remove_all(fs::path(good).parent_path());
 }
