@@ -485,24 +485,6 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     return opt.verify == VerifyMode::kFree && dense(f.box, f.src_strides) && source.has_checksum(f.file, f.byte_base, f.bytes());
   };
   auto checked = [&](const Fragment& f) { return !f.reread_on_node && checkable(f); };
-  // Whether some check covers a fragment this rank reads from storage: "full" checks every unit
-  // the load touches in the pre-flight; "free" checks a fragment that is a whole unit as it is
-  // read, and a unit the memory budget cut (Plan::budget_splits, sorted by file and byte_base)
-  // in the pre-flight, on every machine that reads part of it. What is left (units the layout
-  // change cuts between ranks) is LoadReport::bytes_unchecked.
-  auto covered = [&](const Fragment& f) {
-    if (opt.verify == VerifyMode::kFull) return true;
-    if (opt.verify == VerifyMode::kOff) return false;
-    if (checkable(f)) return true;
-    const uint64_t end = f.byte_base + uint64_t(box_span(f.box, f.src_strides)) * dtype_size(f.src_dtype);
-    auto it = std::upper_bound(plan.budget_splits.begin(), plan.budget_splits.end(), std::make_pair(f.file, f.byte_base),
-                               [](const std::pair<int32_t, uint64_t>& k, const BudgetSplit& b) {
-                                 return k < std::make_pair(b.file, b.byte_base);
-                               });
-    if (it == plan.budget_splits.begin()) return false;
-    --it;
-    return it->file == f.file && end <= it->byte_base + it->bytes && source.has_checksum(it->file, it->byte_base, it->bytes);
-  };
   // Checks a checked fragment whose bytes are at `src` (its file mapping) slab by slab: each
   // slab (a cache-sized, contiguous part, whole inner rows) goes to use(slab, byte offset, bytes,
   // hash), and into the running checksum as it goes, so the fragment crosses memory once. Returns
@@ -538,6 +520,23 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // End of a fragment's bytes in its file: [byte_base, span_end).
   auto span_end = [&](const Fragment& f) {
     return f.byte_base + uint64_t(box_span(f.box, f.src_strides)) * dtype_size(f.src_dtype);
+  };
+  // Whether some check covers a fragment this rank reads from storage: "full" checks every unit
+  // the load touches in the pre-flight; "free" checks a fragment that is a whole unit as it is
+  // read, and a unit the memory budget cut (Plan::budget_splits, sorted by file and byte_base)
+  // in the pre-flight, on every machine that reads part of it. What is left (units the layout
+  // change cuts between ranks) is LoadReport::bytes_unchecked.
+  auto covered = [&](const Fragment& f) {
+    if (opt.verify == VerifyMode::kFull) return true;
+    if (opt.verify == VerifyMode::kOff) return false;
+    if (checkable(f)) return true;
+    auto it = std::upper_bound(plan.budget_splits.begin(), plan.budget_splits.end(), std::make_pair(f.file, f.byte_base),
+                               [](const std::pair<int32_t, uint64_t>& k, const BudgetSplit& b) {
+                                 return k < std::make_pair(b.file, b.byte_base);
+                               });
+    if (it == plan.budget_splits.begin()) return false;
+    --it;
+    return it->file == f.file && span_end(f) <= it->byte_base + it->bytes && source.has_checksum(it->file, it->byte_base, it->bytes);
   };
   // Staging, send and receive memory: anonymous mappings asking for transparent huge pages, so
   // first touch costs one fault per 2 MiB instead of per 4 KiB (fresh memory is most of a load's
