@@ -32,10 +32,15 @@ using Clock = std::chrono::steady_clock;
 // write-combining and other threads.
 constexpr uint64_t kCheckSlabBytes = 256 << 10;
 
-// Granularity of dropping source pages from a file mapping: the PMD size on x86-64 and arm64
-// (4 KiB pages), the unit the kernel maps 2 MiB page-cache folios in. Dropping part of a
-// PMD-mapped region unmaps all of it, so a neighbour still being copied would fault it in again.
-constexpr uint64_t kDropChunkBytes = uint64_t(2) << 20;
+// Granularity of dropping source pages from a file mapping: a multiple of the PMD size on x86-64
+// and arm64 (2 MiB with 4 KiB pages), the unit the kernel maps 2 MiB page-cache folios in.
+// Dropping part of a PMD-mapped region unmaps all of it, so a neighbour still being copied would
+// fault it in again. 16 MiB rather than 2 MiB (session 15): each drop is an madvise that flushes
+// the TLBs of every core running one of this process's copy threads, and eight times fewer of
+// them took the 2 GB pipeline target from 0.207 to 0.190 s (8 interleaved rounds; tp merge
+// 0.184 -> 0.178 s, 8-rank split 0.206 -> 0.201 s, dp shrink no change) for 20-54 MB more peak
+// RSS (at most one undropped chunk per copy in flight), docs/benchmarks.md "Session 15".
+constexpr uint64_t kDropChunkBytes = uint64_t(16) << 20;
 
 // Which file-mapping chunks this rank's copies of one wave read, and how many of their bytes are
 // still to be read. When the last copy touching a chunk finishes, the rank's mapping of the

@@ -845,7 +845,7 @@ TEST(MpiLoad, FullVerifyChecksPiecesCutBetweenRanksBeforeAnyWrite) {
 }
 
 TEST(MpiLoad, NoSourcePageStaysMappedAfterALoad) {
-  // A rank's copies drop each 2 MiB chunk of a file mapping once done with it, and the load drops
+  // A rank's copies drop each 16 MiB chunk of a file mapping once done with it, and the load drops
   // what is left when it ends: pages of a unit this rank checked (verify="full") that another rank
   // copied, pages at wave boundaries. A reader kept open must hold no checkpoint page in RSS.
   Communicator& comm = world();
