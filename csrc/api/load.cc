@@ -106,6 +106,7 @@ LoadReport assemble_load_report(const Plan& plan, const Layout& target, const Ch
   r.replica_report = st.replica_report;
   for (const auto& s : ckpt.notes()) r.policies.push_back(s);
   r.state = ckpt.state();
+  if (!r.state.per_rank_not_carried.empty()) r.not_carried.push_back(r.state.per_rank_not_carried);
   if (!(ckpt.source().layout.topo == target.topo)) {
     if (!r.state.per_rank.empty())
       r.not_carried.push_back("per-rank state (RNG, sampler) of " + std::to_string(r.state.per_rank.size()) +

@@ -325,6 +325,8 @@ Command convert_command() {
         std::printf("  read %.6f GB, wrote %.6f GB of state, %d wave(s)\n", plan.bytes_to_read / 1e9,
                     plan.target_bytes / 1e9, plan.num_waves);
         for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
+        if (!state.per_rank_not_carried.empty())
+          std::printf("  not carried over: %s\n", detail::one_line(state.per_rank_not_carried).c_str());
         if (a->verify != "full") warn_unchecked(a->verify, unchecked, plan.bytes_to_read);
         if (a->verify == "full") std::printf("  checksums: every stored piece / record of the source checked first, and the weights against "
                       "their fp32 master\n");

@@ -99,6 +99,7 @@ Command verify_command() {
       nlohmann::json j;
       j["path"] = ckpt ? ckpt->path() : a->path;
       j["ok"] = ok;
+      j["opened"] = bool(ckpt);  // false: the lists below stop at the damage the open met first
       j["problems"] = problems;
       j["missing_files"] = missing;
       j["uncovered"] = uncovered;
@@ -132,6 +133,13 @@ Command verify_command() {
       if (ok)
         std::printf("OK: every checksum matches, every file is present and complete, every element is covered%s\n",
                     checked.c_str());
+      else if (!ckpt)
+        // The open failed on the first damaged file it met: whether other files are missing or
+        // damaged, and what the files cover, is unknown (session 15 tester: "0 missing file(s)"
+        // was printed for a folder that also lacked a file).
+        std::printf("FAILED: the checkpoint could not be opened (%zu problem(s) above); missing files, coverage and "
+                    "the other files were not checked\n",
+                    problems.size());
       else
         std::printf("FAILED: %zu problem(s), %zu missing file(s), %zu uncovered region(s), %zu shard(s) whose weights "
                     "differ from their master\n",

@@ -22,6 +22,10 @@ struct NonTensorState {
   /// Per-rank opaque blobs (RNG state, sampler state) keyed by the source rank. They carry over
   /// only when the layout is identical (DESIGN.md; failures.md B19).
   std::map<int, std::string> per_rank;
+  /// Why `per_rank` is empty although the writer saves it, for the load report's `not_carried`
+  /// ("" otherwise). A DeepSpeed save with a model-states file missing carries none of it rather
+  /// than some ranks' streams (every rank then reseeds alike).
+  std::string per_rank_not_carried;
 };
 
 /// A stored checksum checked piece by piece: update() with the unit's bytes in file order (any

@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,9 @@ import mpi_cli
 from mpi_cli import MPIRUN
 
 ROOT = Path(__file__).resolve().parents[2]
+# The package in python/ (with its built extension), also when this file runs alone: without it the
+# Python half of these tests skipped unless another test file had put python/ on sys.path first.
+sys.path.insert(0, str(ROOT / "python"))
 CLI = Path(os.environ.get("RESHARD_CLI", ROOT / "build" / "bin" / "reshard"))
 MODEL = ROOT / "configs" / "models" / "tiny-gpt.yaml"
 SRC = "tp=2,pp=1,dp=2,zero=1"
@@ -535,6 +539,75 @@ def test_deepspeed_folder_without_optimizer_files_is_refused_in_every_config_for
     want = {"bfloat16_key": "ds_config bfloat16.enabled=true", "zero_bool": "ds_config zero_optimization stage 1",
             "stage_string": "ds_config zero_optimization stage 1", "no_ds_config": "args.zero_stage=1"}[variant]
     assert want in str(e.value), str(e.value)
+
+
+def _set_engine_steps(step_folder, steps):
+    """Rewrites every model-states file of a DeepSpeed step folder as if an engine at `steps` had
+    saved it (global_steps and Megatron's iteration), as an older save's files copied in would be."""
+    for f in list(step_folder.glob("mp_rank_*_model_states.pt")) + list(step_folder.glob("zero_pp_rank_*_model_states.pt")):
+        sd = torch.load(f, map_location="cpu", weights_only=False)
+        sd["global_steps"] = steps
+        if "iteration" in sd:
+            sd["iteration"] = steps
+        torch.save(sd, f)
+
+
+@need_cli
+@need_py
+def test_model_states_of_another_save_are_refused(tmp_path):
+    """Session 15 tester: an mp_rank_00_model_states.pt of step 2 copied into global_step3 loaded as
+    "iteration 2, optimizer step 3" (verify OK, convert exit 0, output named step-2) and the
+    trainer replayed a batch. Now refused at open, naming the file: first because DeepSpeed named
+    the folder after global_steps, then, in a folder with a tag of its own, because Adam cannot
+    have taken more steps than the engine."""
+    dst, step = copy_ds_fixture(tmp_path, "pipe_pp2_tp2_dp2_z1_fp32")
+    assert step.name == "global_step3"
+    _set_engine_steps(step, 2)
+    out = tmp_path / "out"
+    r = cli("convert", dst, out, "--target", "tp=1,pp=1,dp=2,zero=1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = one_line_error(r)
+    assert f"{step / 'mp_rank_00_model_states.pt'}: global_steps=2 but the folder is global_step3" in line, line
+    assert not out.exists() or not any(out.iterdir())
+    v = cli("verify", dst)
+    assert v.returncode == 1 and "could not be opened" in v.stdout, v.stdout + v.stderr
+    # The same files under a tag DeepSpeed did not choose: the optimizer's step count gives it away.
+    tagged = step.with_name("before-upgrade")
+    step.rename(tagged)
+    (dst / "latest").write_text("before-upgrade")
+    r = cli("convert", dst, out, "--target", "tp=1,pp=1,dp=2,zero=1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = one_line_error(r)
+    assert "optim_states.pt: the optimizer has taken 3 steps but" in line, line
+    assert "records global_steps=2" in line and "come from different saves" in line, line
+    # A consistent save under its own tag still opens (the folder name alone is no evidence).
+    _set_engine_steps(tagged, 3)
+    ck = reshard.open_checkpoint(str(dst))
+    assert ck.state["iteration"] == 3 and ck.state["step"] == 3
+
+
+@need_cli
+@pytest.mark.parametrize("case,gone", [("pipe_pp2_tp2_dp2_z1_fp32", "mp_rank_01_model_states.pt"),
+                                       ("plain_dp2_z3_fp32", "zero_pp_rank_1_mp_rank_00_model_states.pt")])
+def test_missing_model_states_file_is_named_and_no_rank_keeps_its_rng(tmp_path, case, gone):
+    """A model-states file gone (tensors all still covered): `verify` names it, also for ZeRO-3's
+    per-dp-rank files (a tester saw "every file is present"), and a load into the same layout
+    carries no rank's RNG stream instead of restoring some and reseeding the others (a ZeRO-3 dp
+    rank without its file took dp rank 0's stream), saying so under "not carried over"."""
+    dst, step = copy_ds_fixture(tmp_path, case)
+    (step / gone).unlink()
+    v = cli("verify", dst)
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert f"missing: missing file: {step / gone} (its ranks' RNG and client state are not available)" in v.stdout, v.stdout
+    assert "1 missing file(s)" in v.stdout, v.stdout
+    layout = "tp=2,pp=2,dp=2,zero=1" if case.startswith("pipe") else "tp=1,pp=1,dp=2,zero=3"
+    out = tmp_path / "out"
+    r = cli("convert", dst, out, "--target", layout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (f"not carried over: per-rank state (RNG) of the save: its model-states file(s) {step / gone} are "
+            "missing, so no rank's stream is restored; every rank reseeds") in r.stdout, r.stdout
+    meta = json.loads(next(out.glob("*/metadata.json")).read_text())
+    assert meta["state"]["per_rank_base64"] == {}, meta["state"]
 
 
 def swap_files(a, b):

@@ -299,6 +299,7 @@ struct Builder {
   std::map<std::pair<int, int>, Opened*> optim;   // (dp, mp)
   std::map<std::pair<int, int>, Opened*> layer;   // (idx, tp)
   std::vector<std::string> missing;              // file names expected but absent
+  std::vector<std::string> missing_states;       // the model-states files among them (RNG, client state)
 
   int tp = 1, pp = 1, dp = 1, zero = 0, mp_world = 1;
   bool pipeline = false;
@@ -490,7 +491,10 @@ void Builder::topology() {
 
   for (int mp = 0; mp < mp_world; ++mp) {
     if (zmodel.empty()) {
-      if (!model.count(mp)) missing.push_back("mp_rank_" + std::string(mp < 10 ? "0" : "") + std::to_string(mp) + "_model_states.pt");
+      if (!model.count(mp)) {
+        missing.push_back("mp_rank_" + std::string(mp < 10 ? "0" : "") + std::to_string(mp) + "_model_states.pt");
+        missing_states.push_back(missing.back());
+      }
     }
   }
 
@@ -620,6 +624,17 @@ void Builder::topology() {
         if (!optim.count({d, mp}))
           missing.push_back(prefix + "zero_pp_rank_" + std::to_string(d) + "_mp_rank_" + (mp < 10 ? "0" : "") +
                             std::to_string(mp) + "_optim_states.pt");
+    // ZeRO-3 saves a model-states file per dp rank too (its RNG state and client state); one
+    // missing is a copy that lost a file, which `verify` must name (session 15 tester: it said
+    // "every file is present").
+    if (!zmodel.empty())
+      for (int mp = 0; mp < mp_world; ++mp)
+        for (int d = 0; d < dp; ++d)
+          if (!zmodel.count({d, mp})) {
+            missing.push_back("zero_pp_rank_" + std::to_string(d) + "_mp_rank_" + (mp < 10 ? "0" : "") +
+                              std::to_string(mp) + "_model_states.pt");
+            missing_states.push_back(missing.back());
+          }
     std::string why = wkind == kZero3   ? "fp32_flat_groups"
                       : wkind == kBf16 ? "no zero_stage and no loss_scaler: BF16_Optimizer"
                                        : "zero_stage=" + std::to_string(zero) + ": DeepSpeedZeroOptimizer";
@@ -1385,7 +1400,11 @@ void Builder::build() {
   }
   r->source_.layout = std::move(L);
   r->source_.locations = std::move(locs);
-  for (auto& m : missing) note("missing file: " + io::join(dir, m) + " (its ranks' data is not available)");
+  for (auto& m : missing) {
+    const bool states = std::find(missing_states.begin(), missing_states.end(), m) != missing_states.end();
+    note("missing file: " + io::join(dir, m) +
+         (states ? " (its ranks' RNG and client state are not available)" : " (its ranks' data is not available)"));
+  }
   for (auto& m : missing) r->missing_ += (r->missing_.empty() ? "" : ", ") + io::join(dir, m);
   for (auto& m : missing) r->source_.missing_files.push_back(io::join(dir, m));
 }
@@ -1437,6 +1456,33 @@ void Builder::non_tensor_state() {
     if (param_groups.is_null() && get(base, "param_groups")) param_groups = to_json_safe(get(base, "param_groups"));
   }
   S.step = step ? int64_t(std::llround(*step)) : -1;
+  // A model-states file from another save copied into this folder (session 15 tester: an older
+  // mp_rank_00 in global_step3 loaded as "iteration 2, optimizer step 3" and the trainer replayed
+  // a batch; DeepSpeed's own loader takes it too, and a pipeline's mp_rank files hold no weights
+  // for the weights-vs-master check to compare). Two facts every save keeps:
+  // - DeepSpeed names a save `global_step<global_steps>` unless the caller gives a tag
+  //   (DeepSpeedEngine.save_checkpoint; Megatron-DeepSpeed gives none), so a folder of that form
+  //   whose model files say otherwise holds files of another save, or was renamed;
+  // - an optimizer takes at most one step per engine step (skipped steps: fewer), so Adam's step
+  //   count cannot exceed global_steps (Megatron's iteration where global_steps is absent).
+  {
+    std::string folder = dir;
+    if (size_t slash = folder.find_last_of('/'); slash != std::string::npos) folder = folder.substr(slash + 1);
+    const std::string kTag = "global_step";
+    const std::string digits = folder.compare(0, kTag.size(), kTag) == 0 ? folder.substr(kTag.size()) : "";
+    const bool numbered = !digits.empty() && digits.size() <= 18 &&
+                          std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (numbered && gs0 && std::stoll(digits) != *gs0)
+      fail(ErrorCode::kDataLoss, f0, ": global_steps=", *gs0, " but the folder is ", folder,
+           " (DeepSpeed names a save global_step<global_steps>): the model-states files come from another save "
+           "(copied in?) or the folder was renamed; refusing to mix the state of two saves");
+    const std::optional<int64_t> engine_steps = gs0 ? gs0 : it0;
+    if (step && engine_steps && *step > double(*engine_steps) + 0.5)
+      fail(ErrorCode::kDataLoss, step_file, ": the optimizer has taken ", *step, " steps but ", f0, " records ",
+           gs0 ? "global_steps=" : "iteration=", *engine_steps,
+           "; an optimizer cannot step more often than the engine, so these files come from different saves "
+           "(a model-states file of an earlier save copied in?)");
+  }
   nlohmann::ordered_json j;
   j["format"] = r->writer_;
   j["ds_version"] = to_json_safe(get(root, "ds_version"));
@@ -1469,6 +1515,15 @@ void Builder::non_tensor_state() {
         if (l) v = l->size() == size_t(dp) ? (*l)[d] : (l->empty() ? nullptr : (*l)[0]);
         if (v) S.per_rank[T.rank_of(p, d, t)] = to_json_safe(v).dump();
       }
+  // All or nothing: with a model-states file missing, some ranks would restore their streams and
+  // others reseed (and a ZeRO-3 dp rank without its own file would take dp rank 0's stream).
+  if (!missing_states.empty()) {
+    S.per_rank.clear();
+    std::string files;
+    for (const auto& m : missing_states) files += (files.empty() ? "" : ", ") + io::join(dir, m);
+    S.per_rank_not_carried = "per-rank state (RNG) of the save: its model-states file(s) " + files +
+                             " are missing, so no rank's stream is restored; every rank reseeds";
+  }
 }
 
 }  // namespace
