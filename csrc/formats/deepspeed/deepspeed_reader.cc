@@ -1466,8 +1466,7 @@ void Builder::non_tensor_state() {
   // - an optimizer takes at most one step per engine step (skipped steps: fewer), so Adam's step
   //   count cannot exceed global_steps (Megatron's iteration where global_steps is absent).
   {
-    std::string folder = dir;
-    if (size_t slash = folder.find_last_of('/'); slash != std::string::npos) folder = folder.substr(slash + 1);
+    const std::string folder = io::base_name(dir);
     const std::string kTag = "global_step";
     const std::string digits = folder.compare(0, kTag.size(), kTag) == 0 ? folder.substr(kTag.size()) : "";
     const bool numbered = !digits.empty() && digits.size() <= 18 &&
