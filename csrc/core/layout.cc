@@ -419,7 +419,8 @@ std::vector<int> stages_of(const TensorSpec& t, const std::vector<int>& stage_of
 
 LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt) {
   topo.validate();
-  cfg.validate_for(topo.tp, topo.pp, topo.vpp);
+  // A given stage_of_layer (the trainer's own partition) may be uneven; reshard's own split is not.
+  cfg.validate_for(topo.tp, topo.pp, topo.vpp, /*even_stages=*/opt.stage_of_layer.empty());
   LayoutRecipe r;
   r.tensors = model_tensors(cfg, topo.tp);
   std::vector<int> stage_of_layer = opt.stage_of_layer.empty()
@@ -427,6 +428,10 @@ LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const 
                                         : opt.stage_of_layer;
   if (int(stage_of_layer.size()) != cfg.num_layers)
     fail(ErrorCode::kInvalidArgument, "stage_of_layer has ", stage_of_layer.size(), " entries for ", cfg.num_layers, " layers");
+  for (int l = 0; l < cfg.num_layers; ++l)
+    if (stage_of_layer[l] < 0 || stage_of_layer[l] >= topo.pp)
+      fail(ErrorCode::kInvalidArgument, "stage_of_layer puts layer ", l, " on stage ", stage_of_layer[l], ", not in [0, pp=",
+           topo.pp, ")");
   for (const auto& t : r.tensors) r.stages.push_back(stages_of(t, stage_of_layer, topo.pp));
   return r;
 }

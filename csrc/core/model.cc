@@ -87,7 +87,7 @@ void ModelConfig::validate() const {
          query_groups, " != heads=", heads);
 }
 
-void ModelConfig::validate_for(int tp, int pp, int vpp) const {
+void ModelConfig::validate_for(int tp, int pp, int vpp, bool even_stages) const {
   validate();
   auto divides = [&](const char* what, int64_t n) {
     if (n % tp != 0)
@@ -109,12 +109,16 @@ void ModelConfig::validate_for(int tp, int pp, int vpp) const {
     fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit tp=", tp, ": query_groups=",
          groups(), " is not divisible by tp");
   }
+  if (!even_stages) return;
   if (pp * vpp > num_layers)
     fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit pp=", pp, ",vpp=", vpp,
          ": pp*vpp=", pp * vpp, " > num_layers=", num_layers);
   if (num_layers % (pp * vpp) != 0)
     fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit pp=", pp, ",vpp=", vpp,
-         ": num_layers=", num_layers, " is not divisible by pp*vpp=", pp * vpp);
+         ": num_layers=", num_layers, " is not divisible by pp*vpp=", pp * vpp,
+         " (reshard's own split of the layers is uniform; a trainer whose engine splits them unevenly "
+         "gives its partition: the Megatron-DeepSpeed hook does, as do build_layout(stages=...) and "
+         "DeriveOptions::stage_of_layer)");
 }
 
 std::vector<LayoutRule> default_gpt_rules(const ModelConfig& cfg) {

@@ -380,7 +380,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tied_embeddings", &ModelConfig::tied_embeddings)
       .def_property_readonly("param_dtype", [](const ModelConfig& c) { return std::string(dtype_name(c.param_dtype)); })
       .def("padded_vocab", &ModelConfig::padded_vocab)
-      .def("validate_for", &ModelConfig::validate_for);
+      .def("validate_for", &ModelConfig::validate_for, py::arg("tp"), py::arg("pp"), py::arg("vpp") = 1,
+           py::arg("even_stages") = true);
   m.def("model_from_yaml", &model_from_yaml, py::arg("text"), py::arg("origin"));
   m.def("load_model_config", &load_model_config, py::arg("path"));
   m.def("model_tensors", [](const ModelConfig& c, int tp) {
@@ -433,9 +434,41 @@ PYBIND11_MODULE(_C, m) {
         opt.weights_on_dp0_only = weights_on_dp0_only;
         opt.optimizer = optimizer;
         opt.align_factor = align_factor;
+        std::map<std::string, std::vector<int>> st;
+        if (!stages.is_none()) {
+          st = stages.cast<std::map<std::string, std::vector<int>>>();
+          // The trainer's partition of the layers (DeepSpeed's PipelineModule may split them
+          // unevenly): each layer's stage from its tensors, which must agree and name one stage.
+          std::vector<int> stage_of_layer(size_t(std::max(cfg.num_layers, 0)), -1);
+          for (const TensorSpec& t : model_tensors(cfg, topo.tp)) {
+            if (t.owner != Owner::kLayer || t.layer < 0 || t.layer >= cfg.num_layers) continue;
+            auto it = st.find(t.name);
+            if (it == st.end()) continue;
+            if (it->second.size() != 1)
+              fail(ErrorCode::kInvalidArgument, "stages gives ", it->second.size(), " stages for ", t.name,
+                   "; a layer's tensors live on one pipeline stage");
+            int& s = stage_of_layer[size_t(t.layer)];
+            if (s >= 0 && s != it->second[0])
+              fail(ErrorCode::kInvalidArgument, "stages puts ", t.name, " on stage ", it->second[0],
+                   " but other tensors of layer ", t.layer, " on stage ", s);
+            s = it->second[0];
+          }
+          // Layers it does not name keep the uniform split's stage, where there is one.
+          const bool named = std::any_of(stage_of_layer.begin(), stage_of_layer.end(), [](int s) { return s >= 0; });
+          if (named) {
+            const int chunks = topo.pp * topo.vpp;
+            for (int l = 0; l < cfg.num_layers; ++l) {
+              if (stage_of_layer[size_t(l)] >= 0) continue;
+              if (chunks > cfg.num_layers || cfg.num_layers % chunks != 0)
+                fail(ErrorCode::kInvalidArgument, "stages names no stage for layer ", l, ", and num_layers=",
+                     cfg.num_layers, " is not divisible by pp*vpp=", chunks, ", so it has no uniform stage either");
+              stage_of_layer[size_t(l)] = uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp)[size_t(l)];
+            }
+            opt.stage_of_layer = std::move(stage_of_layer);
+          }
+        }
         LayoutRecipe r = default_recipe(cfg, topo, opt);
         if (!stages.is_none()) {
-          auto st = stages.cast<std::map<std::string, std::vector<int>>>();
           for (size_t i = 0; i < r.tensors.size(); ++i) {
             auto it = st.find(r.tensors[i].name);
             if (it != st.end()) r.stages[i] = it->second;

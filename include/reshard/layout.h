@@ -94,7 +94,9 @@ struct DeriveOptions {
   /// Alignment of a ZeRO-1/2 flat group: the padded size is a multiple of align_factor * dp
   /// (DeepSpeed's nccl_start_alignment_factor is 2 [DS zero/stage_1_and_2.py]).
   int align_factor = 2;
-  /// Stage of each global layer; empty means uniform_stage_of_layer.
+  /// Pipeline stage (pp rank) of each global layer, num_layers entries in [0, pp); empty means
+  /// uniform_stage_of_layer. Given, it may be uneven (a trainer's own partition): the model's
+  /// layers need not divide by pp*vpp then.
   std::vector<int> stage_of_layer;
 };
 

@@ -88,8 +88,11 @@ struct ModelConfig {
   /// Field checks. Throws Error(kInvalidArgument) naming the field and the rule.
   void validate() const;
   /// Checks that the model fits a topology: tp divides heads, groups, ffn, hidden (row split);
-  /// pp*vpp <= layers and divides them; tp > groups needs a variant other than refuse.
-  void validate_for(int tp, int pp, int vpp) const;
+  /// tp > groups needs a variant other than refuse; with `even_stages`, pp*vpp <= layers and
+  /// divides them (the uniform split reshard derives itself). A trainer that gives its own stage of
+  /// each layer (DeepSpeed's PipelineModule partitions unevenly, e.g. 4 layers over pp=3) passes
+  /// even_stages=false. Throws Error(kInvalidArgument) naming the field and the rule.
+  void validate_for(int tp, int pp, int vpp, bool even_stages = true) const;
 };
 
 struct TensorSpec {

@@ -148,7 +148,9 @@ def build_layout(model, topology: str, *, stages: Optional[Mapping[str, Sequence
     """Like :func:`derive_layout`, with what a live trainer knows:
 
     * ``stages``: ``{canonical name: [pipeline stages holding it]}`` for tensors placed differently
-      from the uniform split (tied embeddings: ``[0, pp-1]``);
+      from the uniform split (tied embeddings: ``[0, pp-1]``). The stages of the layers' tensors
+      (one each, the same for all tensors of a layer) may split the layers unevenly, as
+      DeepSpeed's PipelineModule does (4 layers over pp=3); every layer must then be named;
     * ``groups``: the optimizer's param groups per (pp, tp) model shard, ``groups[pp_rank*tp +
       tp_rank]`` = list of ``{"entries": [(canonical, flat_offset, numel), ...], "numel": N,
       "partition_size": P, "no_weight_decay": bool}`` in flat order; offsets and sizes in elements
@@ -156,7 +158,8 @@ def build_layout(model, topology: str, *, stages: Optional[Mapping[str, Sequence
       An empty list for a slot means "as derive_layout computes it".
 
     Raises InvalidArgument naming the tensor or group when the groups disagree with the model
-    (unknown tensor, numel mismatch, partition too small).
+    (unknown tensor, numel mismatch, partition too small), or naming the layer when its tensors
+    are given different stages, a stage outside [0, pp), or (uneven split) no stage.
     """
     return _C.build_layout(model_config(model), topology, None if stages is None else {k: list(v) for k, v in stages.items()},
                            None if groups is None else [list(g) for g in groups], weights_on_dp0_only, optimizer,

@@ -45,7 +45,8 @@ def test_plan_text_output_names_the_change():
     ("tp=two", "tp='two' is not an integer"),
     ("tp=3,dp=1", "not divisible by tp"),
     ("tp=1,pp=8,dp=1", "pp*vpp=8 > num_layers=4"),
-    ("tp=1,pp=3,dp=1", "num_layers=4 is not divisible by pp*vpp=3"),  # uneven target stages: not planned
+    # Uneven stages need the trainer's partition (the hook gives it); the CLI has none and says so.
+    ("tp=1,pp=3,dp=1", "num_layers=4 is not divisible by pp*vpp=3 (reshard's own split of the layers is uniform"),
     ("tp=8,dp=1", "tp=8 > query_groups=4"),
     ("tp=1,pp=2,dp=2,zero=3", "ZeRO stage 2 or 3 with pipeline"),
 ])

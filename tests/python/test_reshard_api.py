@@ -179,6 +179,29 @@ def test_the_report_notes_only_what_verify_free_did_not_check(tmp_path):
     assert not [p for p in rep["policies"] if p.startswith("verify=free")], rep["policies"]
 
 
+def test_build_layout_takes_the_trainers_uneven_pipeline_stages():
+    """3 layers over pp=2 (DeepSpeed splits them 1+2 or 2+1): the stages the trainer gives place
+    each layer; reshard's own uniform split refuses; inconsistent or partial stages are named."""
+    m = reshard.model_config(dict(TINY, num_layers=3))
+    names = [t["name"] for t in reshard.model_tensors(m, 1)]
+    layer = {n: int(n.split(".")[1]) for n in names if n.startswith("layers.")}
+    stages = {n: [0 if l == 0 else 1] for n, l in layer.items()}
+    L = reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=stages)
+    on = {r: {int(b["name"].split(".")[1]) for b in L.buffers
+              if b["rank"] == r and b["name"].startswith("weight/layers.")} for r in (0, 1)}
+    assert on == {0: {0}, 1: {1, 2}}, on
+    with pytest.raises(reshard.InvalidArgument, match="num_layers=3 is not divisible by pp\\*vpp=2"):
+        reshard.derive_layout(m, "tp=1,pp=2,dp=1,zero=1")
+    split = dict(stages, **{"layers.2.self_attention.dense.weight": [0]})
+    with pytest.raises(reshard.InvalidArgument, match="other tensors of layer 2 on stage 1"):
+        reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=split)
+    partial = {n: v for n, v in stages.items() if layer[n] != 2}
+    with pytest.raises(reshard.InvalidArgument, match="stages names no stage for layer 2"):
+        reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=partial)
+    with pytest.raises(reshard.InvalidArgument, match="puts layer 0 on stage 2, not in \\[0, pp=2\\)"):
+        reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=dict(stages, **{n: [2] for n, l in layer.items() if l == 0}))
+
+
 def test_wrong_argument_types_are_invalid_argument(tmp_path):
     """Policies and tensors of the wrong type raise InvalidArgument naming what is wrong (a
     fresh-clone user got raw binding errors and a misleading device message before)."""

@@ -8,6 +8,7 @@ format and reshard's native one, with state dumps) feeds:
   * tp=1,pp=2,dp=4 and tp=4,pp=1,dp=2: the consolidated state equals the source's bitwise; the
     logits match; step is restored, not incremented, and the first update after resume equals
     iteration 4 of the uninterrupted run (failures.md B06, B08, B13, B04);
+4 layers over pp=3 (DeepSpeed's uneven split) as a target through the hook and as a source;
 a GQA + SwiGLU + untied model goes tp=2,pp=2 -> tp=4,pp=1 (B08, B12, B13); and a bf16 run
 (DeepSpeed's BF16_Optimizer) goes tp=2,pp=2 -> tp=1,pp=2,dp=2.
 Each job starts live state scrambled to NaN, so every element must be written by the load.
@@ -156,6 +157,41 @@ def test_layout_change_then_first_update(source, tp, pp, dp, fmt):
     for k in ("fp32", "exp_avg", "exp_avg_sq"):
         for n in ref4[k]:
             torch.testing.assert_close(after[k][n], ref4[k][n], rtol=1e-4, atol=1e-6, msg=f"{name} {k} {n}")
+
+
+def test_uneven_pipeline_stages_both_ways(source, tmp_path):
+    """4 layers over pp=3: DeepSpeed's PipelineModule splits them unevenly (partition_method
+    type:transformer) and trains it; reshard used to refuse such a target ("num_layers=4 is not
+    divisible by pp*vpp=3", session 15 tester), although the live engine says where each layer is.
+    Into it: tp=2,pp=2,dp=2 -> tp=1,pp=3,dp=2 through the hook, bitwise, then one update equal to
+    the uninterrupted run's. Out of it: that job's own DeepSpeed save (uneven stages as the source)
+    read into one rank's full tensors, bitwise equal to what the job held when it saved."""
+    tmp, cfg = source["tmp"], source["cfg"]
+    if not ds_readable(tmp):
+        pytest.skip("this build has no DeepSpeed reader")
+    out = str(tmp_path)
+    losses = job(out, "t1p3d2", 1, 3, 2, ["--dump-dir", f"{out}/dst", "--scramble", "--load", f"{tmp}/ds",
+                                          "--load-with", "reshard", "--load-step", "3", "--dump-at-save",
+                                          "--save", f"{out}/ds", "--save-native", f"{out}/native", "--steps", "4"])
+    dumps = load_dump(f"{out}/dst/load")
+    per_stage = {d["stage"]: sorted({n.split(".")[1] for n in d["weight"] if n.startswith("layers.")})
+                 for d in dumps}
+    assert sorted(len(v) for v in per_stage.values()) == [1, 1, 2], per_stage  # really uneven
+    assert_same_consolidated(consolidate(f"{tmp}/dump/it3", cfg), consolidate(dumps, cfg), "pp=3 target")
+    assert abs(losses[4] - source["losses"][4]) <= 1e-5 * abs(source["losses"][4]), (losses, source["losses"])
+    # The uneven saves (DeepSpeed's and reshard's native one) as sources: every value of the job
+    # at iteration 4, into one rank's ZeRO-0 buffers.
+    held = consolidate(f"{out}/dst/it4", cfg)
+    model = model_yaml(out)
+    L = reshard.derive_layout(reshard.model_config(model), "tp=1,pp=1,dp=1,zero=0")
+    for fmt in ("ds", "native"):
+        assert reshard.inspect(f"{out}/{fmt}", model=model)["layout"].startswith("tp=1,pp=3,"), fmt
+        live = reshard.allocate(L, 0, fill=float("nan"))
+        reshard.load(f"{out}/{fmt}", L, live, model=model)
+        for k in KINDS:
+            for n, want in held[k].items():
+                got = live[f"{k}/{n}"]
+                assert torch.equal(got.reshape(want.shape).float(), want), (fmt, k, n)
 
 
 def test_gqa_swiglu_untied_tp2pp2_to_tp4pp1(tmp_path):

@@ -18,14 +18,21 @@ using testing::MemCheckpoint;
 struct Case {
   ModelConfig model;
   Topology a, b;
+  // Pipeline stage of each layer (a trainer's own, possibly uneven, partition); empty: uniform.
+  std::vector<int> a_stages, b_stages;
   std::string describe() const {
+    auto stages = [](const std::vector<int>& v) {
+      std::string s;
+      for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+      return v.empty() ? std::string() : " stages{" + s + "}";
+    };
     return "model{layers=" + std::to_string(model.num_layers) + ",hidden=" + std::to_string(model.hidden) +
            ",heads=" + std::to_string(model.heads) + ",groups=" + std::to_string(model.groups()) +
            ",ffn=" + std::to_string(model.ffn) + ",vocab=" + std::to_string(model.vocab) + "/" +
            std::to_string(model.vocab_divisible_by) + ",swiglu=" + std::to_string(model.swiglu) +
            ",tied=" + std::to_string(model.tied_embeddings) + ",bias=" + std::to_string(model.bias) +
            ",qkv_v=" + std::to_string(model.qkv_version) + ",variant=" + qkv_variant_name(model.tp_gt_groups) +
-           "} " + a.to_string() + " -> " + b.to_string();
+           "} " + a.to_string() + stages(a_stages) + " -> " + b.to_string() + stages(b_stages);
   }
 };
 
@@ -93,8 +100,11 @@ void run_case(const Case& c, const PlanOptions& opt, bool round_trip) {
   SCOPED_TRACE(c.describe());
   DeriveOptions src_opt;
   src_opt.weights_on_dp0_only = true;
+  src_opt.stage_of_layer = c.a_stages;
+  DeriveOptions dst_opt;
+  dst_opt.stage_of_layer = c.b_stages;
   Layout A = derive_layout(c.model, c.a, src_opt);
-  Layout B = derive_layout(c.model, c.b);
+  Layout B = derive_layout(c.model, c.b, dst_opt);
   MemCheckpoint ma(A);
   ma.fill_truth(A);
   SourceLayout sa = ma.as_source(A);
@@ -211,6 +221,100 @@ TEST(PlannerProperty, RandomLayoutPairsExactCoverageAndRoundTrip) {
     ++ran;
   }
   EXPECT_GE(ran, target);
+}
+
+// Pipeline stages of uneven sizes, as DeepSpeed's PipelineModule partitions layers (4 layers over
+// pp=3 as 2+1+1, or a stage with no transformer layer at all): a trainer's hook gives its partition
+// (DeriveOptions::stage_of_layer), as source, as target or both; every value lands where the target
+// partition puts it and comes back bitwise.
+TEST(PlannerProperty, UnevenPipelineStagesAsSourceAndTarget) {
+  uint64_t seed = testing::test_seed("PlannerProperty.UnevenStages");
+  std::mt19937_64 rng(seed);
+  // Non-decreasing stage per layer, stages 0..pp-1 (some may hold no layer).
+  auto partition = [&](int layers, int pp) {
+    std::vector<int> cut;  // pp-1 cut points in [0, layers]
+    for (int i = 0; i + 1 < pp; ++i) cut.push_back(int(rng() % uint64_t(layers + 1)));
+    std::sort(cut.begin(), cut.end());
+    std::vector<int> st(size_t(layers), 0);
+    for (int l = 0; l < layers; ++l)
+      for (int c : cut) st[size_t(l)] += l >= c;
+    return st;
+  };
+  int ran = 0, uneven = 0;
+  for (int attempt = 0; attempt < 20000 && ran < 300; ++attempt) {
+    Case c{random_model(rng), random_topo(rng), random_topo(rng)};
+    c.model.num_layers = 3 + int(rng() % 3);  // 3..5: most pp do not divide them
+    c.a.vpp = c.b.vpp = 1;
+    c.a.pp = 1 + int(rng() % 4);
+    c.b.pp = 1 + int(rng() % 4);
+    if (rng() % 3) c.a_stages = partition(c.model.num_layers, c.a.pp);
+    if (rng() % 3) c.b_stages = partition(c.model.num_layers, c.b.pp);
+    if (c.a_stages.empty() && c.b_stages.empty()) continue;
+    try {
+      c.a.validate();
+      c.b.validate();
+      c.model.validate_for(c.a.tp, c.a.pp, 1, c.a_stages.empty());
+      c.model.validate_for(c.b.tp, c.b.pp, 1, c.b_stages.empty());
+    } catch (const Error&) {
+      continue;
+    }
+    auto is_uneven = [&](const std::vector<int>& st, int pp) {
+      return !st.empty() && st != uniform_stage_of_layer(c.model.num_layers, pp, 1);
+    };
+    uneven += is_uneven(c.a_stages, c.a.pp) || is_uneven(c.b_stages, c.b.pp);
+    PlanOptions opt;
+    opt.memory_budget = (rng() % 3 == 0) ? kMinMemoryBudget : (uint64_t(1) << 30);
+    run_case(c, opt, true);
+    if (::testing::Test::HasFailure()) {
+      ADD_FAILURE() << "failing case #" << ran << " (seed " << seed << ")";
+      return;
+    }
+    ++ran;
+  }
+  EXPECT_GE(ran, 300);
+  EXPECT_GE(uneven, 150) << "too few uneven partitions drawn";
+}
+
+TEST(Layouts, UnevenStagesOnlyWhereTheTrainerGivesThem) {
+  ModelConfig m = gpt("four", 4, 64, 128, 100);
+  Topology t;
+  t.pp = 3;
+  // reshard's own split needs pp | layers.
+  try {
+    derive_layout(m, t);
+    ADD_FAILURE() << "uniform split of 4 layers over pp=3 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_layers=4 is not divisible by pp*vpp=3"), std::string::npos) << e.what();
+  }
+  DeriveOptions o;
+  o.stage_of_layer = {0, 0, 1, 2};
+  const Layout L = derive_layout(m, t, o);
+  // Layer 1's tensors on stage 0's rank, layer 2's on stage 1's, layer 3's on stage 2's.
+  std::map<std::string, std::set<int>> ranks;
+  for (const Buffer& b : L.buffers)
+    if (b.state == StateKind::kWeight) ranks[b.name].insert(b.rank);
+  auto stage_ranks = [&](int stage) {
+    std::set<int> r;
+    for (int q = 0; q < t.world_size(); ++q)
+      if (t.pp_rank(q) == stage) r.insert(q);
+    return r;
+  };
+  int seen = 0;
+  for (const auto& [name, rs] : ranks) {
+    for (int layer = 0; layer < 4; ++layer) {
+      if (name.find("layers." + std::to_string(layer) + ".") == std::string::npos) continue;
+      EXPECT_EQ(rs, stage_ranks(o.stage_of_layer[size_t(layer)])) << name;
+      ++seen;
+    }
+  }
+  EXPECT_GT(seen, 8);
+  o.stage_of_layer = {0, 0, 1, 3};
+  try {
+    derive_layout(m, t, o);
+    ADD_FAILURE() << "stage 3 of pp=3 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("puts layer 3 on stage 3, not in [0, pp=3)"), std::string::npos) << e.what();
+  }
 }
 
 TEST(PlannerProperty, SameLayoutNeedsNoExchangeForOptimizerState) {
