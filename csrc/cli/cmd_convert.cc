@@ -34,6 +34,7 @@ namespace reshard::cli {
 namespace {
 struct ConvertArgs {
   std::string in, out, target, budget, step, source_step, model, verify = "full";
+  std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   bool no_dedup = false;
   bool overwrite = false;  // replace an existing OUT/<step> (atomically); otherwise refused
 };
@@ -175,6 +176,10 @@ Command convert_command() {
     s->add_option("IN", a->in, "Source checkpoint (root or step folder; native or DeepSpeed)")->required();
     s->add_option("OUT", a->out, "Output checkpoint root (a new step folder and `latest` are written)")->required();
     s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=2,dp=2,zero=1")->required();
+    s->add_option("--target-stages", a->target_stages,
+                  "Layers on each target pipeline stage, e.g. 2,1,1 for 4 layers over pp=3 (uneven splits "
+                  "as DeepSpeed's PipelineModule makes them; default: equal)")
+        ->delimiter(',');
     s->add_option("--memory-budget", a->budget, "Per-rank staging budget per wave (e.g. 1GiB; default 1GiB)");
     s->add_option("--step", a->step, "Output step folder name (default step-<source iteration>)");
     s->add_option("--source-step", a->source_step, "Source step to read (default: the one `latest` names)");
@@ -222,6 +227,9 @@ Command convert_command() {
       const SourceLayout& src = ckpt->source();
       LikeOptions lo;
       lo.weights_on_dp0_only = true;  // a saved checkpoint holds dp-replicated weights once
+      if (!a->target_stages.empty())
+        lo.stage_of_layer = stage_of_layer_from_sizes(a->target_stages, src.layout.model.num_layers, target_topo.pp,
+                                                      target_topo.vpp);
       const Layout target = layout_like(src, target_topo, lo);  // the source's own tensors at the target
       const std::string step = step_name(*a, *ckpt);
       native::check_step_name(step);

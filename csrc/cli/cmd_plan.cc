@@ -15,6 +15,7 @@ namespace reshard::cli {
 namespace {
 struct PlanArgs {
   std::string path, step, model, source, target, budget;
+  std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   bool json = false, no_dedup = false;
 };
 
@@ -30,6 +31,10 @@ Command plan_command() {
     s->add_option("--model", a->model, "Model YAML (path or name under configs/models)");
     s->add_option("--source", a->source, "Source layout, e.g. tp=8,pp=16,dp=8,zero=1 (with --model)");
     s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=8,dp=32,zero=1")->required();
+    s->add_option("--target-stages", a->target_stages,
+                  "Layers on each target pipeline stage, e.g. 2,1,1 for 4 layers over pp=3 (uneven splits "
+                  "as DeepSpeed's PipelineModule makes them; default: equal)")
+        ->delimiter(',');
     s->add_option("--memory-budget", a->budget, "Per-rank staging budget per wave (e.g. 1GiB)");
     s->add_flag("--no-dedup", a->no_dedup, "Each rank reads what it needs (no fan-out)");
     s->add_flag("--json", a->json, "Print a JSON summary");
@@ -40,6 +45,14 @@ Command plan_command() {
     po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
     po.dedup = !a->no_dedup;
     Topology target = Topology::parse(a->target);
+    auto target_options = [&](const ModelConfig& m) {
+      DeriveOptions o;
+      if (!a->target_stages.empty()) {
+        target.validate();
+        o.stage_of_layer = stage_of_layer_from_sizes(a->target_stages, m.num_layers, target.pp, target.vpp);
+      }
+      return o;
+    };
     Plan plan;
     double secs = 0;
     if (!a->path.empty()) {
@@ -50,7 +63,7 @@ Command plan_command() {
       oo.step = a->step;
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
       auto ckpt = open_checkpoint(a->path, oo);
-      Layout tl = derive_layout(ckpt->source().layout.model, target);
+      Layout tl = derive_layout(ckpt->source().layout.model, target, target_options(ckpt->source().layout.model));
       plan = plan_load(*ckpt, tl, po, &secs);
     } else {
       if (a->model.empty() || a->source.empty())
@@ -70,7 +83,7 @@ Command plan_command() {
         src.locations.push_back({int32_t(b.rank), at[b.rank]});
         at[b.rank] += uint64_t(b.numel) * dtype_size(b.dtype);
       }
-      Layout tl = derive_layout(m, target);
+      Layout tl = derive_layout(m, target, target_options(m));
       plan = make_plan(src, tl, po);
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }

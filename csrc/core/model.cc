@@ -116,9 +116,9 @@ void ModelConfig::validate_for(int tp, int pp, int vpp, bool even_stages) const 
   if (num_layers % (pp * vpp) != 0)
     fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit pp=", pp, ",vpp=", vpp,
          ": num_layers=", num_layers, " is not divisible by pp*vpp=", pp * vpp,
-         " (reshard's own split of the layers is uniform; a trainer whose engine splits them unevenly "
-         "gives its partition: the Megatron-DeepSpeed hook does, as do build_layout(stages=...) and "
-         "DeriveOptions::stage_of_layer)");
+         " (reshard's own split of the layers is uniform; give an uneven one: the CLI's --target-stages "
+         "2,1,1 (layers per stage); the Megatron-DeepSpeed hook takes it from the engine, "
+         "build_layout(stages=...) and DeriveOptions::stage_of_layer from their caller)");
 }
 
 std::vector<LayoutRule> default_gpt_rules(const ModelConfig& cfg) {
@@ -242,6 +242,23 @@ std::vector<TensorSpec> model_tensors(const ModelConfig& cfg, int tp) {
   classify_tensors(cfg, out, &unmatched);
   RESHARD_CHECK(unmatched.empty(), "built-in GPT tensor without a rule: ", unmatched.front());
   return out;
+}
+
+std::vector<int> stage_of_layer_from_sizes(const std::vector<int>& sizes, int num_layers, int pp, int vpp) {
+  if (vpp != 1)
+    fail(ErrorCode::kInvalidArgument, "layers per stage are given for vpp=", vpp,
+         ": uneven stages are supported without virtual stages only (vpp=1)");
+  if (int(sizes.size()) != pp)
+    fail(ErrorCode::kInvalidArgument, "layers per stage has ", sizes.size(), " entries for pp=", pp, "; give one per stage");
+  std::vector<int> stage;
+  for (int s = 0; s < pp; ++s) {
+    if (sizes[size_t(s)] < 0)
+      fail(ErrorCode::kInvalidArgument, "layers per stage: stage ", s, " has ", sizes[size_t(s)], " layers");
+    for (int k = 0; k < sizes[size_t(s)]; ++k) stage.push_back(s);
+  }
+  if (int(stage.size()) != num_layers)
+    fail(ErrorCode::kInvalidArgument, "layers per stage sum to ", stage.size(), " but the model has num_layers=", num_layers);
+  return stage;
 }
 
 std::vector<int> uniform_stage_of_layer(int num_layers, int pp, int vpp) {

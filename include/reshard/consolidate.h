@@ -24,6 +24,9 @@ struct LikeOptions {
   bool optimizer = true;
   /// 16-bit weights on dp rank 0 only (a saved checkpoint) instead of every rank (a live job).
   bool weights_on_dp0_only = false;
+  /// Pipeline stage of each global layer at the target (may be uneven, see
+  /// stage_of_layer_from_sizes); empty: the uniform split, which needs pp*vpp to divide the layers.
+  std::vector<int> stage_of_layer;
 };
 
 /// The layout of the source's own tensors (names, global shapes, splits, stage owners) under

@@ -124,4 +124,11 @@ void classify_tensors(const ModelConfig& cfg, std::vector<TensorSpec>& specs,
 /// stage c % pp (interleaved). Returns a vector of size num_layers.
 std::vector<int> uniform_stage_of_layer(int num_layers, int pp, int vpp);
 
+/// Pipeline stage of each global layer from the number of layers on each stage, in stage order
+/// (`{2, 1, 1}`: layers 0-1 on stage 0, layer 2 on stage 1, layer 3 on stage 2; how DeepSpeed's
+/// PipelineModule may split 4 layers over pp=3). Throws Error(kInvalidArgument) naming the rule:
+/// one size per stage (pp of them), none negative, summing to num_layers, and vpp == 1 (an
+/// interleaved schedule's chunks are not described by per-stage sizes).
+std::vector<int> stage_of_layer_from_sizes(const std::vector<int>& layers_per_stage, int num_layers, int pp, int vpp);
+
 }  // namespace reshard

@@ -45,7 +45,7 @@ def test_plan_text_output_names_the_change():
     ("tp=two", "tp='two' is not an integer"),
     ("tp=3,dp=1", "not divisible by tp"),
     ("tp=1,pp=8,dp=1", "pp*vpp=8 > num_layers=4"),
-    # Uneven stages need the trainer's partition (the hook gives it); the CLI has none and says so.
+    # Uneven stages need a partition (--target-stages, or the hook's engine); without one, said so.
     ("tp=1,pp=3,dp=1", "num_layers=4 is not divisible by pp*vpp=3 (reshard's own split of the layers is uniform"),
     ("tp=8,dp=1", "tp=8 > query_groups=4"),
     ("tp=1,pp=2,dp=2,zero=3", "ZeRO stage 2 or 3 with pipeline"),
@@ -74,6 +74,42 @@ def test_convert_names_the_same_field_as_plan(tmp_path, layout, needle):
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert needle in r.stderr, (args, r.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_uneven_target_stages_plan_convert_and_read_back(tmp_path):
+    """--target-stages 1,2,1 puts tiny-gpt's 4 layers on 3 stages as given (DeepSpeed's
+    PipelineModule makes such splits); the converted checkpoint holds every value of the source
+    (diff) and converts back; bad sizes are one-line errors naming the rule."""
+    ck = tmp_path / "ck"
+    assert run("synth", ck, "--model", "tiny-gpt", "--layout", "tp=2,pp=2,dp=1,zero=1").returncode == 0
+    r = run("plan", ck, "--target", "tp=1,pp=3,dp=2,zero=1", "--target-stages", "1,2,1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["target_world_size"] == 6
+    out = tmp_path / "out"
+    r = run("convert", ck, out, "--target", "tp=1,pp=3,dp=1,zero=1", "--target-stages", "1,2,1")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(run("inspect", out, "--json").stdout)
+    assert info["layout"].startswith("tp=1,pp=3,")
+    meta = json.loads(next(out.glob("step-*/metadata.json")).read_text())
+    ranks_of_layer = {}  # layer -> ranks holding its weights (tp=dp=1: rank = pipeline stage)
+    for b in meta["buffers"]:
+        if b["name"].startswith("weight/layers."):
+            ranks_of_layer.setdefault(int(b["name"].split(".")[1]), set()).add(b["rank"])
+    assert ranks_of_layer == {0: {0}, 1: {1}, 2: {1}, 3: {2}}, ranks_of_layer
+    r = run("diff", ck, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert run("verify", out).returncode == 0
+    back = tmp_path / "back"
+    assert run("convert", out, back, "--target", "tp=2,pp=2,dp=1,zero=1").returncode == 0
+    assert run("diff", ck, back).returncode == 0
+    for sizes, needle in (("2,1", "layers per stage has 2 entries for pp=3"),
+                          ("2,1,2", "layers per stage sum to 5 but the model has num_layers=4"),
+                          ("3,2,-1", "stage 2 has -1 layers")):
+        for cmd in (("plan", ck), ("convert", ck, tmp_path / f"bad{len(needle)}")):
+            r = run(*cmd, "--target", "tp=1,pp=3,dp=1,zero=1", "--target-stages", sizes)
+            assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (cmd, r.stderr)
+    r = run("plan", ck, "--target", "tp=1,pp=2,vpp=2,dp=1,zero=1", "--target-stages", "2,2")
+    assert r.returncode == 2 and "vpp=1" in r.stderr, r.stderr
 
 
 def test_convert_checks_every_source_piece_unless_told_otherwise_and_then_warns(tmp_path):

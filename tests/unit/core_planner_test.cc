@@ -203,7 +203,7 @@ TEST(PlannerProperty, RandomLayoutPairsExactCoverageAndRoundTrip) {
   const int target = std::getenv("RESHARD_PROPERTY_CASES") ? std::atoi(std::getenv("RESHARD_PROPERTY_CASES")) : 1500;
   while (ran < target && attempts < target * 50) {
     ++attempts;
-    Case c{random_model(rng), random_topo(rng), random_topo(rng)};
+    Case c{random_model(rng), random_topo(rng), random_topo(rng), {}, {}};
     if (!fits(c.model, c.a) || !fits(c.model, c.b)) continue;
     PlanOptions opt;
     opt.dedup = rng() % 4 != 0;
@@ -242,7 +242,7 @@ TEST(PlannerProperty, UnevenPipelineStagesAsSourceAndTarget) {
   };
   int ran = 0, uneven = 0;
   for (int attempt = 0; attempt < 20000 && ran < 300; ++attempt) {
-    Case c{random_model(rng), random_topo(rng), random_topo(rng)};
+    Case c{random_model(rng), random_topo(rng), random_topo(rng), {}, {}};
     c.model.num_layers = 3 + int(rng() % 3);  // 3..5: most pp do not divide them
     c.a.vpp = c.b.vpp = 1;
     c.a.pp = 1 + int(rng() % 4);
@@ -308,6 +308,21 @@ TEST(Layouts, UnevenStagesOnlyWhereTheTrainerGivesThem) {
     }
   }
   EXPECT_GT(seen, 8);
+  // The CLI's --target-stages: layers per stage, in stage order.
+  EXPECT_EQ(stage_of_layer_from_sizes({2, 1, 1}, 4, 3, 1), (std::vector<int>{0, 0, 1, 2}));
+  EXPECT_EQ(stage_of_layer_from_sizes({0, 3, 1}, 4, 3, 1), (std::vector<int>{1, 1, 1, 2}));
+  for (const auto& [sizes, vpp, needle] : std::vector<std::tuple<std::vector<int>, int, std::string>>{
+           {{2, 1}, 1, "has 2 entries for pp=3"},
+           {{2, 1, 2}, 1, "sum to 5 but the model has num_layers=4"},
+           {{3, 2, -1}, 1, "stage 2 has -1 layers"},
+           {{2, 1, 1}, 2, "vpp=1"}}) {
+    try {
+      stage_of_layer_from_sizes(sizes, 4, 3, vpp);
+      ADD_FAILURE() << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
   o.stage_of_layer = {0, 0, 1, 3};
   try {
     derive_layout(m, t, o);
@@ -322,7 +337,7 @@ TEST(PlannerProperty, SameLayoutNeedsNoExchangeForOptimizerState) {
   std::mt19937_64 rng(seed);
   int ran = 0;
   for (int attempt = 0; attempt < 5000 && ran < 200; ++attempt) {
-    Case c{random_model(rng), random_topo(rng), {}};
+    Case c{random_model(rng), random_topo(rng), {}, {}, {}};
     c.b = c.a;
     if (!fits(c.model, c.a)) continue;
     SCOPED_TRACE(c.describe());
@@ -358,7 +373,7 @@ TEST(PlannerProperty, DpOnlyChangeIsIdentityForEveryValue) {
   std::mt19937_64 rng(seed);
   int ran = 0;
   for (int attempt = 0; attempt < 20000 && ran < 300; ++attempt) {
-    Case c{random_model(rng), random_topo(rng), {}};
+    Case c{random_model(rng), random_topo(rng), {}, {}, {}};
     c.b = c.a;
     c.b.dp = 1 + int(rng() % 5);
     if (!fits(c.model, c.a) || !fits(c.model, c.b)) continue;
@@ -374,7 +389,7 @@ TEST(PlannerProperty, PlansAreDeterministic) {
   std::mt19937_64 rng(seed);
   int ran = 0;
   for (int attempt = 0; attempt < 5000 && ran < 100; ++attempt) {
-    Case c{random_model(rng), random_topo(rng), random_topo(rng)};
+    Case c{random_model(rng), random_topo(rng), random_topo(rng), {}, {}};
     if (!fits(c.model, c.a) || !fits(c.model, c.b)) continue;
     DeriveOptions so;
     so.weights_on_dp0_only = true;
@@ -484,7 +499,7 @@ TEST(PlannerProperty, MemoryBudgetBoundsEveryWave) {
     PlanOptions opt;
     opt.memory_budget = budget;
     opt.replica_policy = policy;  // averaging holds replica reads too: still within the budget
-    run_case({m, a, b}, opt, false);
+    run_case({m, a, b, {}, {}}, opt, false);
     DeriveOptions so;
     so.weights_on_dp0_only = true;
     Layout A = derive_layout(m, a, so);
