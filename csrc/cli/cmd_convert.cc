@@ -230,6 +230,8 @@ Command convert_command() {
       if (!a->target_stages.empty())
         lo.stage_of_layer = stage_of_layer_from_sizes(a->target_stages, src.layout.model.num_layers, target_topo.pp,
                                                       target_topo.vpp);
+      else
+        lo.stage_of_layer = same_pp_stages(src.layout, target_topo);  // the source's split where pp stays
       const Layout target = layout_like(src, target_topo, lo);  // the source's own tensors at the target
       const std::string step = step_name(*a, *ckpt);
       native::check_step_name(step);

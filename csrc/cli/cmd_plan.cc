@@ -45,11 +45,14 @@ Command plan_command() {
     po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
     po.dedup = !a->no_dedup;
     Topology target = Topology::parse(a->target);
-    auto target_options = [&](const ModelConfig& m) {
+    // Uneven target stages: as given, or else the source's own split where pp stays.
+    auto target_options = [&](const ModelConfig& m, const Layout* source) {
       DeriveOptions o;
       if (!a->target_stages.empty()) {
         target.validate();
         o.stage_of_layer = stage_of_layer_from_sizes(a->target_stages, m.num_layers, target.pp, target.vpp);
+      } else if (source) {
+        o.stage_of_layer = same_pp_stages(*source, target);
       }
       return o;
     };
@@ -63,7 +66,8 @@ Command plan_command() {
       oo.step = a->step;
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
       auto ckpt = open_checkpoint(a->path, oo);
-      Layout tl = derive_layout(ckpt->source().layout.model, target, target_options(ckpt->source().layout.model));
+      Layout tl = derive_layout(ckpt->source().layout.model, target,
+                                target_options(ckpt->source().layout.model, &ckpt->source().layout));
       plan = plan_load(*ckpt, tl, po, &secs);
     } else {
       if (a->model.empty() || a->source.empty())
@@ -83,7 +87,7 @@ Command plan_command() {
         src.locations.push_back({int32_t(b.rank), at[b.rank]});
         at[b.rank] += uint64_t(b.numel) * dtype_size(b.dtype);
       }
-      Layout tl = derive_layout(m, target, target_options(m));
+      Layout tl = derive_layout(m, target, target_options(m, nullptr));
       plan = make_plan(src, tl, po);
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "reshard/layout.h"
+
 namespace reshard::cli {
 
 struct Command {
@@ -31,6 +33,12 @@ std::vector<Command> all_commands();
 /// of bytes, no spaces or signs, 1 to 2^64 - 1 bytes. Anything else is Error(kInvalidArgument)
 /// naming `what` (the option).
 uint64_t parse_size(const std::string& text, const char* what);
+
+/// The target's pipeline stage per layer when no --target-stages is given: the source's own split
+/// (stage_of_layer_in) where the target keeps its pp (vpp 1 on both sides) and that split is
+/// not the uniform one, so a tp or dp change of an unevenly split checkpoint keeps its stages;
+/// empty (the uniform split) otherwise.
+std::vector<int> same_pp_stages(const Layout& source, const Topology& target);
 
 /// Resolves a --model argument: a path, or a name under configs/models/ ("tiny-gpt").
 std::string resolve_model_path(const std::string& model);

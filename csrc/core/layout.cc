@@ -432,8 +432,37 @@ LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const 
     if (stage_of_layer[l] < 0 || stage_of_layer[l] >= topo.pp)
       fail(ErrorCode::kInvalidArgument, "stage_of_layer puts layer ", l, " on stage ", stage_of_layer[l], ", not in [0, pp=",
            topo.pp, ")");
+  // With virtual stages a stage holds several chunks of layers in schedule order, which a stage
+  // per layer does not describe; only reshard's own interleaved split is planned then.
+  if (topo.vpp > 1 && !opt.stage_of_layer.empty() &&
+      (topo.pp * topo.vpp > cfg.num_layers || cfg.num_layers % (topo.pp * topo.vpp) != 0 ||
+       stage_of_layer != uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp)))
+    fail(ErrorCode::kInvalidArgument, "stage_of_layer differs from the interleaved split of ", cfg.num_layers,
+         " layers over pp=", topo.pp, ",vpp=", topo.vpp, ": uneven stages are supported with vpp=1 only");
   for (const auto& t : r.tensors) r.stages.push_back(stages_of(t, stage_of_layer, topo.pp));
   return r;
+}
+
+std::vector<int> stage_of_layer_in(const Layout& L) {
+  const int layers = L.model.num_layers;
+  if (layers <= 0) return {};
+  std::vector<int> stage(size_t(layers), -1);
+  std::unordered_map<std::string, const TensorSpec*> spec;
+  for (const TensorSpec& t : L.tensors) spec[t.name] = &t;
+  for (const Piece& pc : L.pieces) {
+    const LogicalArray& a = L.arrays[size_t(pc.array)];
+    if (a.state != StateKind::kWeight) continue;
+    auto it = spec.find(a.tensor);
+    if (it == spec.end() || it->second->owner != Owner::kLayer) continue;
+    const int l = it->second->layer;
+    if (l < 0 || l >= layers) return {};
+    const int s = L.topo.pp_rank(L.buffers[size_t(pc.buffer)].rank);
+    if (stage[size_t(l)] >= 0 && stage[size_t(l)] != s) return {};
+    stage[size_t(l)] = s;
+  }
+  for (int s : stage)
+    if (s < 0) return {};
+  return stage;
 }
 
 Layout derive_layout(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt) {

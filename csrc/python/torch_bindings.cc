@@ -447,6 +447,9 @@ PYBIND11_MODULE(_C, m) {
             if (it->second.size() != 1)
               fail(ErrorCode::kInvalidArgument, "stages gives ", it->second.size(), " stages for ", t.name,
                    "; a layer's tensors live on one pipeline stage");
+            if (it->second[0] < 0 || it->second[0] >= topo.pp)
+              fail(ErrorCode::kInvalidArgument, "stages puts ", t.name, " on stage ", it->second[0], ", not in [0, pp=",
+                   topo.pp, ")");
             int& s = stage_of_layer[size_t(t.layer)];
             if (s >= 0 && s != it->second[0])
               fail(ErrorCode::kInvalidArgument, "stages puts ", t.name, " on stage ", it->second[0],

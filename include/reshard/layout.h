@@ -144,6 +144,11 @@ struct LayoutRecipe {
   std::vector<std::vector<FlatGroup>> groups;
 };
 
+/// Pipeline stage of each global layer in a layout: the pp rank of the ranks that hold the
+/// layer's weights (a checkpoint's own split, uneven or not). Empty when a layer's weights are on
+/// no stage or on more than one (a layout that does not place layers by stage).
+std::vector<int> stage_of_layer_in(const Layout& L);
+
 /// The recipe derive_layout uses: model_tensors + uniform stages, no explicit groups.
 LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt = {});
 

@@ -161,6 +161,15 @@ def build_layout(model, topology: str, *, stages: Optional[Mapping[str, Sequence
     (unknown tensor, numel mismatch, partition too small), or naming the layer when its tensors
     are given different stages, a stage outside [0, pp), or (uneven split) no stage.
     """
+    if stages is not None:
+        if not isinstance(stages, Mapping):
+            raise InvalidArgument(f"build_layout: stages must be a mapping of tensor name to a list of stage "
+                                  f"numbers, got {type(stages).__name__}")
+        for k, v in stages.items():
+            ok = isinstance(k, str) and isinstance(v, (list, tuple)) and all(
+                isinstance(x, int) and not isinstance(x, bool) and -2**31 <= x < 2**31 for x in v)
+            if not ok:
+                raise InvalidArgument(f"build_layout: stages[{k!r}] must be a list of stage numbers (int), got {v!r}")
     return _C.build_layout(model_config(model), topology, None if stages is None else {k: list(v) for k, v in stages.items()},
                            None if groups is None else [list(g) for g in groups], weights_on_dp0_only, optimizer,
                            align_factor)

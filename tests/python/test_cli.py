@@ -102,6 +102,18 @@ def test_uneven_target_stages_plan_convert_and_read_back(tmp_path):
     back = tmp_path / "back"
     assert run("convert", out, back, "--target", "tp=2,pp=2,dp=1,zero=1").returncode == 0
     assert run("diff", ck, back).returncode == 0
+    # Where pp stays, the source's own split is kept without --target-stages (a tp change of a
+    # DeepSpeed job split 1+2+1 resumes on the same stages).
+    wide = tmp_path / "wide"
+    r = run("convert", out, wide, "--target", "tp=2,pp=3,dp=1,zero=1")
+    assert r.returncode == 0, r.stderr
+    ranks_of_layer = {}
+    for b in json.loads(next(wide.glob("step-*/metadata.json")).read_text())["buffers"]:
+        if b["name"].startswith("weight/layers."):
+            ranks_of_layer.setdefault(int(b["name"].split(".")[1]), set()).add(b["rank"])
+    assert ranks_of_layer == {0: {0, 1}, 1: {2, 3}, 2: {2, 3}, 3: {4, 5}}, ranks_of_layer
+    assert run("diff", ck, wide).returncode == 0
+    assert run("plan", out, "--target", "tp=1,pp=3,dp=2,zero=1").returncode == 0
     for sizes, needle in (("2,1", "layers per stage has 2 entries for pp=3"),
                           ("2,1,2", "layers per stage sum to 5 but the model has num_layers=4"),
                           ("3,2,-1", "stage 2 has -1 layers")):

@@ -198,8 +198,18 @@ def test_build_layout_takes_the_trainers_uneven_pipeline_stages():
     partial = {n: v for n, v in stages.items() if layer[n] != 2}
     with pytest.raises(reshard.InvalidArgument, match="stages names no stage for layer 2"):
         reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=partial)
-    with pytest.raises(reshard.InvalidArgument, match="puts layer 0 on stage 2, not in \\[0, pp=2\\)"):
+    with pytest.raises(reshard.InvalidArgument, match="on stage 2, not in \\[0, pp=2\\)"):
         reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=dict(stages, **{n: [2] for n, l in layer.items() if l == 0}))
+    # A whole layer on stage -1 is named as such (not "no stage"), and non-int stages are
+    # InvalidArgument naming the tensor, not a pybind cast error (session 16 tester).
+    with pytest.raises(reshard.InvalidArgument, match="on stage -1, not in \\[0, pp=2\\)"):
+        reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=dict(stages, **{n: [-1] for n, l in layer.items() if l == 2}))
+    name = next(iter(stages))
+    for bad in ([2**31], [1.5], ["1"], [True], 1, "0"):
+        with pytest.raises(reshard.InvalidArgument, match=f"stages\\['{name}'\\] must be a list of stage numbers"):
+            reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=dict(stages, **{name: bad}))
+    with pytest.raises(reshard.InvalidArgument, match="stages must be a mapping"):
+        reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=[1, 2])
 
 
 def test_wrong_argument_types_are_invalid_argument(tmp_path):

@@ -308,6 +308,27 @@ TEST(Layouts, UnevenStagesOnlyWhereTheTrainerGivesThem) {
     }
   }
   EXPECT_GT(seen, 8);
+  // A layout says where its layers are (what convert keeps when pp stays).
+  EXPECT_EQ(stage_of_layer_in(L), o.stage_of_layer);
+  Topology t2 = t;
+  t2.pp = 2;
+  EXPECT_EQ(stage_of_layer_in(derive_layout(m, t2)), (std::vector<int>{0, 0, 1, 1}));
+  // Virtual stages: only the interleaved split itself.
+  {
+    Topology tv = t;
+    tv.pp = 2;
+    tv.vpp = 2;
+    DeriveOptions ov;
+    ov.stage_of_layer = uniform_stage_of_layer(4, 2, 2);
+    EXPECT_EQ(stage_of_layer_in(derive_layout(m, tv, ov)).size(), 4u);
+    ov.stage_of_layer = {0, 0, 0, 1};
+    try {
+      derive_layout(m, tv, ov);
+      ADD_FAILURE() << "uneven stages with vpp=2 accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("uneven stages are supported with vpp=1 only"), std::string::npos) << e.what();
+    }
+  }
   // The CLI's --target-stages: layers per stage, in stage order.
   EXPECT_EQ(stage_of_layer_from_sizes({2, 1, 1}, 4, 3, 1), (std::vector<int>{0, 0, 1, 2}));
   EXPECT_EQ(stage_of_layer_from_sizes({0, 3, 1}, 4, 3, 1), (std::vector<int>{1, 1, 1, 2}));
