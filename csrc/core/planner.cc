@@ -352,6 +352,28 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
       plan.notes.push_back("ignored (strict_unexpected off): " + msg);
     }
   }
+  {
+    // Optimizer state the checkpoint holds for a tensor whose state the target places nowhere
+    // (a trainer's param groups that leave the tensor out: a frozen parameter, or groups built
+    // wrong). Without this it was not loaded and nothing said so (session 16 tester).
+    std::vector<char> placed(target.arrays.size(), 0);
+    for (const Piece& pc : target.pieces) placed[size_t(pc.array)] = 1;
+    std::vector<std::string> unplaced;
+    for (size_t i = 0; i < target.arrays.size(); ++i)
+      if (target.arrays[i].state != StateKind::kWeight && src_of[i] >= 0 && !placed[i])
+        unplaced.push_back(target.arrays[i].key());
+    if (!unplaced.empty()) {
+      std::string msg = std::to_string(unplaced.size()) +
+                        " optimizer state(s) in the checkpoint have no place in the target (its param groups leave "
+                        "the tensor out): ";
+      for (size_t i = 0; i < unplaced.size() && i < 12; ++i) msg += (i ? ", " : "") + unplaced[i];
+      if (unplaced.size() > 12) msg += ", ...";
+      if (opt.strict_unexpected)
+        fail(ErrorCode::kInvalidArgument, msg, " (strict_unexpected is on; turn it off to resume without them, e.g. "
+             "for frozen parameters)");
+      plan.notes.push_back("not loaded (strict_unexpected off): " + msg);
+    }
+  }
   if (from_master > 0)
     plan.notes.push_back(std::to_string(from_master) +
                          " 16-bit weight(s) filled by downcasting the checkpoint's fp32 master (no 16-bit copy saved)");

@@ -212,6 +212,28 @@ def test_build_layout_takes_the_trainers_uneven_pipeline_stages():
         reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=[1, 2])
 
 
+def test_optimizer_state_the_targets_groups_leave_out_is_not_dropped_silently(tmp_path):
+    """A trainer's param groups without one tensor (frozen, or built wrong) gave its fp32 master and
+    moments no place in the target: the plan skipped them and said nothing (session 16 tester).
+    Now an InvalidArgument naming them under strict_unexpected (the default), a note without it."""
+    m = reshard.model_config(TINY)
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=1,pp=1,dp=1,zero=1", 3)
+    full = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
+    frozen = "layers.1.mlp.dense_4h_to_h.weight"
+    groups = full.flat_groups
+    for g in groups[0]:
+        g["entries"] = [e for e in g["entries"] if e[0] != frozen]
+    L = reshard.build_layout(m, "tp=1,pp=1,dp=1,zero=1", groups=groups)
+    with pytest.raises(reshard.InvalidArgument, match=f"3 optimizer state\\(s\\) in the checkpoint have no place in "
+                       f"the target.*{frozen}/fp32.*strict_unexpected is on"):
+        reshard.plan(str(tmp_path), L)
+    p = reshard.plan(str(tmp_path), L, policies={"strict_unexpected": False})
+    assert any(n.startswith("not loaded (strict_unexpected off): 3 optimizer state(s)") and frozen in n
+               for n in p["notes"]), p["notes"]
+    # The whole model's groups: nothing to say.
+    assert not any("no place in the target" in n for n in reshard.plan(str(tmp_path), full)["notes"])
+
+
 def test_wrong_argument_types_are_invalid_argument(tmp_path):
     """Policies and tensors of the wrong type raise InvalidArgument naming what is wrong (a
     fresh-clone user got raw binding errors and a misleading device message before)."""
