@@ -32,16 +32,8 @@ Layout layout_like(const SourceLayout& source, const Topology& target, const Lik
   target.validate();
   // The model's own rules first (heads, ffn, hidden, query groups against tp; layers against pp),
   // so `convert` names the same field `plan` does.
-  cfg.validate_for(target.tp, target.pp, target.vpp, /*even_stages=*/o.stage_of_layer.empty());
+  const std::vector<int> stage_of_layer = checked_stage_of_layer(cfg, target, o.stage_of_layer);
   LayoutRecipe r;
-  const std::vector<int> stage_of_layer =
-      o.stage_of_layer.empty() ? uniform_stage_of_layer(cfg.num_layers, target.pp, target.vpp) : o.stage_of_layer;
-  if (int(stage_of_layer.size()) != cfg.num_layers)
-    fail(ErrorCode::kInvalidArgument, "stage_of_layer has ", stage_of_layer.size(), " entries for ", cfg.num_layers, " layers");
-  for (int l = 0; l < cfg.num_layers; ++l)
-    if (stage_of_layer[size_t(l)] < 0 || stage_of_layer[size_t(l)] >= target.pp)
-      fail(ErrorCode::kInvalidArgument, "stage_of_layer puts layer ", l, " on stage ", stage_of_layer[size_t(l)],
-           ", not in [0, pp=", target.pp, ")");
   bool has_opt = false;
   for (const auto& a : S.arrays) has_opt |= a.state != StateKind::kWeight;
   for (TensorSpec t : S.tensors) {

@@ -28,11 +28,8 @@ std::string configs_dir() {
 }  // namespace
 
 std::vector<int> same_pp_stages(const Layout& source, const Topology& target) {
-  if (target.pp != source.topo.pp || target.vpp != 1 || source.topo.vpp != 1 || target.pp == 1) return {};
-  std::vector<int> st = stage_of_layer_in(source);
-  const int layers = source.model.num_layers;
-  if (!st.empty() && layers % target.pp == 0 && st == uniform_stage_of_layer(layers, target.pp, 1)) return {};
-  return st;
+  if (target.pp != source.topo.pp || target.vpp != 1 || source.topo.vpp != 1) return {};
+  return stage_of_layer_in(source);
 }
 
 uint64_t parse_size(const std::string& s, const char* what) {

@@ -35,9 +35,8 @@ std::vector<Command> all_commands();
 uint64_t parse_size(const std::string& text, const char* what);
 
 /// The target's pipeline stage per layer when no --target-stages is given: the source's own split
-/// (stage_of_layer_in) where the target keeps its pp (vpp 1 on both sides) and that split is
-/// not the uniform one, so a tp or dp change of an unevenly split checkpoint keeps its stages;
-/// empty (the uniform split) otherwise.
+/// (stage_of_layer_in) where the target keeps its pp (vpp 1 on both sides), so a tp or dp change
+/// of an unevenly split checkpoint keeps its stages; empty (the uniform split) otherwise.
 std::vector<int> same_pp_stages(const Layout& source, const Topology& target);
 
 /// Resolves a --model argument: a path, or a name under configs/models/ ("tiny-gpt").

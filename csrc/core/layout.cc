@@ -417,28 +417,30 @@ std::vector<int> stages_of(const TensorSpec& t, const std::vector<int>& stage_of
 
 }  // namespace
 
-LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt) {
-  topo.validate();
-  // A given stage_of_layer (the trainer's own partition) may be uneven; reshard's own split is not.
-  cfg.validate_for(topo.tp, topo.pp, topo.vpp, /*even_stages=*/opt.stage_of_layer.empty());
-  LayoutRecipe r;
-  r.tensors = model_tensors(cfg, topo.tp);
-  std::vector<int> stage_of_layer = opt.stage_of_layer.empty()
-                                        ? uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp)
-                                        : opt.stage_of_layer;
-  if (int(stage_of_layer.size()) != cfg.num_layers)
-    fail(ErrorCode::kInvalidArgument, "stage_of_layer has ", stage_of_layer.size(), " entries for ", cfg.num_layers, " layers");
+std::vector<int> checked_stage_of_layer(const ModelConfig& cfg, const Topology& topo, const std::vector<int>& given) {
+  // A given split (the trainer's or the user's) may be uneven; reshard's own split is not.
+  cfg.validate_for(topo.tp, topo.pp, topo.vpp, /*even_stages=*/given.empty());
+  if (given.empty()) return uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp);
+  if (int(given.size()) != cfg.num_layers)
+    fail(ErrorCode::kInvalidArgument, "stage_of_layer has ", given.size(), " entries for ", cfg.num_layers, " layers");
   for (int l = 0; l < cfg.num_layers; ++l)
-    if (stage_of_layer[l] < 0 || stage_of_layer[l] >= topo.pp)
-      fail(ErrorCode::kInvalidArgument, "stage_of_layer puts layer ", l, " on stage ", stage_of_layer[l], ", not in [0, pp=",
+    if (given[size_t(l)] < 0 || given[size_t(l)] >= topo.pp)
+      fail(ErrorCode::kInvalidArgument, "stage_of_layer puts layer ", l, " on stage ", given[size_t(l)], ", not in [0, pp=",
            topo.pp, ")");
   // With virtual stages a stage holds several chunks of layers in schedule order, which a stage
   // per layer does not describe; only reshard's own interleaved split is planned then.
-  if (topo.vpp > 1 && !opt.stage_of_layer.empty() &&
-      (topo.pp * topo.vpp > cfg.num_layers || cfg.num_layers % (topo.pp * topo.vpp) != 0 ||
-       stage_of_layer != uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp)))
+  if (topo.vpp > 1 && (topo.pp * topo.vpp > cfg.num_layers || cfg.num_layers % (topo.pp * topo.vpp) != 0 ||
+                       given != uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp)))
     fail(ErrorCode::kInvalidArgument, "stage_of_layer differs from the interleaved split of ", cfg.num_layers,
          " layers over pp=", topo.pp, ",vpp=", topo.vpp, ": uneven stages are supported with vpp=1 only");
+  return given;
+}
+
+LayoutRecipe default_recipe(const ModelConfig& cfg, const Topology& topo, const DeriveOptions& opt) {
+  topo.validate();
+  const std::vector<int> stage_of_layer = checked_stage_of_layer(cfg, topo, opt.stage_of_layer);
+  LayoutRecipe r;
+  r.tensors = model_tensors(cfg, topo.tp);
   for (const auto& t : r.tensors) r.stages.push_back(stages_of(t, stage_of_layer, topo.pp));
   return r;
 }

@@ -460,12 +460,14 @@ PYBIND11_MODULE(_C, m) {
           const bool named = std::any_of(stage_of_layer.begin(), stage_of_layer.end(), [](int s) { return s >= 0; });
           if (named) {
             const int chunks = topo.pp * topo.vpp;
+            const bool even = chunks <= cfg.num_layers && cfg.num_layers % chunks == 0;
+            const std::vector<int> uniform = uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp);
             for (int l = 0; l < cfg.num_layers; ++l) {
               if (stage_of_layer[size_t(l)] >= 0) continue;
-              if (chunks > cfg.num_layers || cfg.num_layers % chunks != 0)
+              if (!even)
                 fail(ErrorCode::kInvalidArgument, "stages names no stage for layer ", l, ", and num_layers=",
                      cfg.num_layers, " is not divisible by pp*vpp=", chunks, ", so it has no uniform stage either");
-              stage_of_layer[size_t(l)] = uniform_stage_of_layer(cfg.num_layers, topo.pp, topo.vpp)[size_t(l)];
+              stage_of_layer[size_t(l)] = uniform[size_t(l)];
             }
             opt.stage_of_layer = std::move(stage_of_layer);
           }

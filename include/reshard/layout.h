@@ -144,6 +144,13 @@ struct LayoutRecipe {
   std::vector<std::vector<FlatGroup>> groups;
 };
 
+/// The stage of each global layer a layout at `topo` uses: `given` (DeriveOptions::stage_of_layer,
+/// LikeOptions::stage_of_layer) after checks, or uniform_stage_of_layer when it is empty. Throws
+/// Error(kInvalidArgument): the model does not fit the topology (ModelConfig::validate_for; the
+/// layer count only for the uniform split), or `given` has not num_layers entries, a stage outside
+/// [0, pp), or differs from the interleaved split where vpp > 1.
+std::vector<int> checked_stage_of_layer(const ModelConfig& cfg, const Topology& topo, const std::vector<int>& given);
+
 /// Pipeline stage of each global layer in a layout: the pp rank of the ranks that hold the
 /// layer's weights (a checkpoint's own split, uneven or not). Empty when a layer's weights are on
 /// no stage or on more than one (a layout that does not place layers by stage).
