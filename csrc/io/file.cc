@@ -38,24 +38,40 @@ std::string range(uint64_t offset, uint64_t length) {
 
 }  // namespace
 
-File File::open_read(const std::string& path) {
+namespace {
+
+// Opens a regular file for reading. O_NONBLOCK keeps the open of a FIFO from waiting forever for
+// a writer (a checkpoint file replaced by a FIFO, or a link to one or to a device such as
+// /dev/zero, is refused by name instead of hanging or reading without end); it is cleared again,
+// as it means nothing for regular files. Symbolic links are followed (docs/reliability.md).
+int open_regular(const std::string& path) {
   int fd;
-  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   while (fd < 0 && errno == EINTR);
   if (fd < 0) fail_errno(errno, "cannot open " + path + " for reading");
   struct stat st;
-  if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
     ::close(fd);
-    fail(ErrorCode::kInvalidArgument, "cannot open ", path, " for reading: it is a folder");
+    fail_errno(e, "cannot stat " + path);
   }
-  return File(fd, path);
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(ErrorCode::kInvalidArgument, "cannot open ", path, " for reading: it is ",
+         S_ISDIR(st.st_mode) ? "a folder" : S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISSOCK(st.st_mode) ? "a socket" : "a device",
+         ", not a regular file");
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return fd;
 }
 
+}  // namespace
+
+File File::open_read(const std::string& path) { return File(open_regular(path), path); }
+
 MappedFile::MappedFile(const std::string& path) {
-  int fd;
-  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  while (fd < 0 && errno == EINTR);
-  if (fd < 0) fail_errno(errno, "cannot open " + path + " for reading");
+  const int fd = open_regular(path);
   try {
     map(fd, path);
   } catch (...) {

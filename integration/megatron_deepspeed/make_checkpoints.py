@@ -116,6 +116,7 @@ def _patched_copy(case_dir, tag, name, how):
     for f in os.listdir(os.path.join(tmp, tag)):
         if f.startswith("mp_rank_") and f.endswith("_model_states.pt"):
             p = os.path.join(tmp, tag, f)
+            # Test tool: reads a file this script's own DeepSpeed run just wrote (docs/reliability.md).
             sd = torch.load(p, map_location="cpu", weights_only=False)
             if how == "empty":
                 sd["module"] = {}
@@ -212,6 +213,7 @@ def optimizer_writer(case_dir, tag):
     f = sorted(x for x in os.listdir(d) if x.endswith("_optim_states.pt"))
     if not f:
         return None
+    # Test tool: reads a file this script's own DeepSpeed run just wrote (docs/reliability.md).
     sd = torch.load(os.path.join(d, f[0]), map_location="cpu", weights_only=False)["optimizer_state_dict"]
     if "fp32_flat_groups" in sd:
         return "DeepSpeedZeroOptimizer_Stage3"

@@ -15,8 +15,10 @@ What is filled (ZeRO-1 PipelineEngine, torch AdamW):
   * step (the checkpoint's value, never incremented; torch AdamW keeps a float32 tensor per
     parameter), loss scale, LR scheduler position, iteration, consumed samples (the trainer's data
     order follows consumed samples);
-  * RNG state: carried over only when the layout is identical; otherwise every rank reseeds
-    deterministically from (seed, iteration, rank) and the report says so (failures.md B19).
+  * RNG state: carried over only when the layout is identical, in reshard.rank_state's typed
+    encoding (never a pickle: a checkpoint is data); otherwise, or for a save whose per-rank
+    state is a pickle, every rank reseeds deterministically from (seed, iteration, rank) and the
+    report says so (failures.md B19).
 
 Every rank gathers every other rank's (pp, tp) param-group description, so the target layout
 covers the whole job and every rank plans the same load. Errors are reshard.Error subclasses,
@@ -30,18 +32,13 @@ and on load it is filled from the first stage's (live) copy.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
-import pickle
-import random
 import resource
 import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -270,41 +267,6 @@ class LiveState:
 # ----------------------------------------------------------------------------------------------
 
 
-def _rng_blob() -> bytes:
-    st = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    return pickle.dumps(st)
-
-
-def _restore_rng(blob: bytes, seed: int, iteration: int, rank: int) -> str:
-    """Restores this rank's RNG from its per-rank blob; returns what was done, for the report."""
-    if blob[:1] == b"\x80":  # written by reshard_save: every generator
-        st = pickle.loads(blob)
-        random.setstate(st["random"])
-        np.random.set_state(st["numpy"])
-        torch.set_rng_state(st["torch"])
-        return "restored (identical layout): python, numpy and torch generators"
-    # A DeepSpeed/Megatron checkpoint: the reader gives the rng_state object as JSON, in which
-    # tensors (torch_rng_state) are references to storages, not bytes. Restore what is plain data.
-    d = json.loads(blob.decode())
-    if isinstance(d, list):
-        d = d[0] if d else {}
-    st = d.get("random_rng_state")
-    _reseed(seed, iteration, rank)
-    if isinstance(st, list) and len(st) == 3:
-        random.setstate((st[0], tuple(st[1]), st[2]))
-        return ("identical layout: python random restored from the checkpoint; numpy and torch generators "
-                "reseeded deterministically (the DeepSpeed per-rank state references tensor storages)")
-    return "identical layout, but the per-rank RNG state is not readable here: reseeded deterministically"
-
-
-def _reseed(seed: int, iteration: int, rank: int) -> int:
-    s = (int(seed) * 1_000_003 + int(iteration) * 7919 + int(rank)) % (2**31 - 1)
-    random.seed(s)
-    np.random.seed(s)
-    torch.manual_seed(s)
-    return s
-
-
 def _global_json(engine, zopt, args) -> dict:
     ls = getattr(zopt, "loss_scaler", None)
     sched = getattr(engine, "lr_scheduler", None)
@@ -333,7 +295,7 @@ def reshard_save(engine, args, root: str, step: str, iteration: int, consumed: i
     state = {"iteration": int(iteration), "consumed_samples": int(consumed), "step": live.optimizer_step(),
              "json": json.dumps(_global_json(engine, live.zopt, args)), "per_rank": {}}
     blobs: List[bytes] = [None] * live.world
-    dist.all_gather_object(blobs, _rng_blob())
+    dist.all_gather_object(blobs, reshard.rank_state.capture())
     state["per_rank"] = {r: b for r, b in enumerate(blobs)}
     reshard.save(root, step, layout, tensors, state=state, comm=reshard.communicator())
 
@@ -409,12 +371,12 @@ def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Option
     if isinstance(glob, dict) and "skipped_steps" in glob:
         engine.skipped_steps = int(glob["skipped_steps"])
 
-    per_rank = report["state"]["per_rank"]
-    if per_rank and rank in per_rank:
-        report["rng"] = _restore_rng(per_rank[rank], getattr(args, "seed", 0), iteration, rank)
-    else:
-        seed = _reseed(getattr(args, "seed", 0), iteration, rank)
-        report["rng"] = f"reseeded deterministically (seed*1000003 + iteration*7919 + rank; rank 0: {seed})"
+    # The blob is data (reshard.rank_state): a typed one was checked before any write, a pickle
+    # was removed by the load and is never unpickled.
+    st = report["state"]
+    report["rng"] = reshard.rank_state.restore_or_reseed(st["per_rank"].get(rank), getattr(args, "seed", 0),
+                                                         iteration, rank,
+                                                         refused=st.get("per_rank_refused", {}).get(rank))
 
     # The module's 16-bit copy must be what the fp32 master gives (what DeepSpeed's own step
     # writes): compare this rank's partition of each flat bit16 group with its fp32 partition.

@@ -44,6 +44,7 @@ def dump_engine(engine, path: str, extra: dict = None):
 
 
 def load_dump(path: str):
+    """Test tool: reads back the dumps this module wrote in the same test (docs/reliability.md)."""
     return [torch.load(f, weights_only=False) for f in sorted(glob.glob(os.path.join(path, "rank*.pt")),
                                                               key=lambda f: int(f.split("rank")[-1][:-3]))]
 

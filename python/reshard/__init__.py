@@ -31,12 +31,13 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch  # loads libtorch before the extension
 
 from . import _C
+from . import rank_state
 
 __all__ = [
     "Error", "InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal",
     "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "model_tensors", "derive_layout", "build_layout",
     "open_checkpoint", "inspect", "plan", "load", "save", "save_all_ranks", "communicator", "local_communicator",
-    "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint", "allocate",
+    "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint", "allocate", "rank_state",
 ]
 
 Error = _C.Error
@@ -402,7 +403,10 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "peak_verify_bytes" (bytes, max over
     ranks), "policies", "not_carried",
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
-    step, json, per_rank (only when the layout is identical)}, "text"}`` and this rank's phase
+    step, json, per_rank {rank: bytes} (only when the layout is identical; pickled blobs are
+    removed, listed in per_rank_refused {rank: "pickle"} and named under "not_carried": reshard
+    never unpickles; restore a blob with reshard.rank_state.restore_or_reseed)}, "text"}`` and
+    this rank's phase
     times in seconds: "preflight_seconds" (checks before any write: plan agreement, files, the
     verify="full" checksum pass, replica comparisons), "read_seconds", "copy_seconds",
     "exchange_seconds", "scatter_seconds".
@@ -418,7 +422,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     shrunk with ``untyped_storage().resize_()``), two tensors that overlap in memory, tensors on meta,
     strictness, shapes, a model whose vocab differs from the checkpoint's, a verify value other
     than off/free/full, io_threads outside 1..1024), DataLoss
-    (uncovered elements, missing or short files, replicas that differ under policy "error": names
+    (this rank's per-rank blob in reshard.rank_state's typed encoding is damaged or oversized, at
+    the identical layout: names the rank and field; uncovered elements, missing or short files, replicas that differ under policy "error": names
     the tensor and max |diff|; any checksum mismatch with verify="full", or weights that differ
     from their fp32 master (names tensor, tp rank and element); one checksum mismatch in a piece sent to
     another rank with "free"), InvalidArgument (tensors on several devices), Internal (ranks given
@@ -452,6 +457,7 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
         layout = _target_layout(ckpt, target)
         tlist = _tensor_list(layout, comm.rank, tensors)
         _C.check_buffers(layout, comm.rank, tlist, "reshard.load")
+        _check_rank_state(ckpt, layout, comm.rank)
         # Layout.buffers builds a list of every buffer of every rank on each access: read it once.
         bufs = layout.buffers
         devices = {t.device for i, t in enumerate(tlist) if t is not None and bufs[i]["rank"] == comm.rank}
@@ -467,9 +473,9 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
         err = e
     _agree(comm, err, "reshard.load")
     if device.type != "cpu" or _STAGE_CPU_TENSORS_FOR_TESTS:
-        return _load_staged(ckpt, layout, tlist, comm, device, pol, threads, verify)
+        return _without_pickled_rank_state(_load_staged(ckpt, layout, tlist, comm, device, pol, threads, verify))
     try:
-        return _C.load(ckpt, layout, tlist, comm, pol, threads, verify)
+        return _without_pickled_rank_state(_C.load(ckpt, layout, tlist, comm, pol, threads, verify))
     finally:
         # C++ writes through the tensors' memory: bump their version counters as an in-place op
         # would, so autograd refuses a backward through a graph that saved their old values (the
@@ -477,6 +483,40 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
         for i, t in enumerate(tlist):
             if t is not None and bufs[i]["rank"] == comm.rank and not t.is_inference():
                 torch.autograd.graph.increment_version(t)
+
+
+def _same_topology(a: str, b: str) -> bool:
+    x, y = parse_topology(a), parse_topology(b)
+    return all(x[k] == y[k] for k in ("tp", "pp", "vpp", "dp", "zero"))
+
+
+def _check_rank_state(ckpt, layout, rank: int) -> None:
+    """Pre-flight of this rank's per-rank blob, which the load hands over only at the identical
+    layout: a blob in the typed encoding (rank_state) must decode exactly, so that a trainer
+    restoring it after the load cannot fail with tensors already written. Raises DataLoss naming
+    the rank and field (agreed across ranks by load)."""
+    if not _same_topology(ckpt.topology, layout.topology):
+        return
+    blob = ckpt.state["per_rank"].get(rank)
+    if blob is not None and rank_state.kind(blob) == "typed":
+        rank_state.decode(blob, rank=rank, where=f"{ckpt.path}: per-rank state")
+
+
+def _without_pickled_rank_state(report: dict) -> dict:
+    """Removes per-rank blobs that are pickles from the report (never unpickled: a pickle can run
+    any code) and says so under "not_carried"."""
+    per_rank = report["state"]["per_rank"]
+    pickled = sorted(r for r, b in per_rank.items() if rank_state.kind(b) == "pickle")
+    if pickled:
+        for r in pickled:
+            del per_rank[r]
+        report["state"]["per_rank_refused"] = {r: "pickle" for r in pickled}
+        shown = ", ".join(map(str, pickled[:8])) + (", ..." if len(pickled) > 8 else "")
+        report["not_carried"] = list(report["not_carried"]) + [
+            f"per-rank state (RNG, sampler) of {len(pickled)} rank(s) ({shown}): pickled blobs (written before "
+            "reshard's typed encoding, docs/format.md), never unpickled; those ranks reseed deterministically "
+            "(reshard.rank_state.reseed)"]
+    return report
 
 
 # Tests set this to run the staged path below with CPU tensors (the path GPU tensors take).
