@@ -16,7 +16,13 @@ std::vector<std::string> inferred_tensors(const SourceLayout& source) {
 
 Layout layout_like(const SourceLayout& source, const Topology& target, const LikeOptions& o) {
   const Layout& S = source.layout;
-  const ModelConfig& cfg = S.model;
+  ModelConfig cfg = S.model;
+  if (!o.qkv_order.empty()) {
+    if (o.qkv_order != "interleaved" && o.qkv_order != "blocked")
+      fail(ErrorCode::kInvalidArgument, "target QKV order '", o.qkv_order, "' must be interleaved or blocked");
+    cfg.qkv_order = o.qkv_order;
+    cfg.validate();
+  }
   if (target.tp != S.topo.tp) {
     auto inferred = inferred_tensors(source);
     if (!inferred.empty()) {

@@ -28,6 +28,7 @@ std::string inspect_json(const CheckpointReader& reader, bool stats) {
                 {"vocab_divisible_by", m.vocab_divisible_by}, {"max_position_embeddings", m.max_position_embeddings},
                 {"swiglu", m.swiglu},         {"tied_embeddings", m.tied_embeddings}, {"bias", m.bias},
                 {"norm", m.norm},             {"param_dtype", dtype_name(m.param_dtype)}, {"qkv_version", m.qkv_version},
+                {"qkv_order", m.qkv_order_known() ? qkv_order_name(m.qkv_layout()) : "unknown"},
                 {"tp_gt_groups", qkv_variant_name(m.tp_gt_groups)}};
   json tensors = json::array();
   for (const auto& t : L.tensors) {

@@ -33,7 +33,7 @@ namespace reshard::cli {
 
 namespace {
 struct ConvertArgs {
-  std::string in, out, target, budget, step, source_step, model, verify = "full";
+  std::string in, out, target, budget, step, source_step, model, verify = "full", qkv_order;
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   bool no_dedup = false;
   bool overwrite = false;  // replace an existing OUT/<step> (atomically); otherwise refused
@@ -184,6 +184,11 @@ Command convert_command() {
     s->add_option("--step", a->step, "Output step folder name (default step-<source iteration>)");
     s->add_option("--source-step", a->source_step, "Source step to read (default: the one `latest` names)");
     s->add_option("--model", a->model, "Model YAML where the source files do not record it (DeepSpeed)");
+    s->add_option("--target-qkv-order", a->qkv_order,
+                  "Fused QKV row order of the output: interleaved ([groups, heads/groups+2, head_dim] per tp rank: "
+                  "Megatron-LM, Megatron-DeepSpeed before 2024-12) or blocked ([Q | K | V] per tp rank: "
+                  "Megatron-DeepSpeed since 2024-12); default: the source's")
+        ->check(CLI::IsMember({"interleaved", "blocked"}));
     s->add_option("--verify", a->verify,
                   "Source checksum checks before writing: full (every stored piece / DeepSpeed record, default), "
                   "free (only what is read as whole pieces / records; a warning says how much), off")
@@ -227,6 +232,7 @@ Command convert_command() {
       const SourceLayout& src = ckpt->source();
       LikeOptions lo;
       lo.weights_on_dp0_only = true;  // a saved checkpoint holds dp-replicated weights once
+      lo.qkv_order = a->qkv_order;
       if (!a->target_stages.empty())
         lo.stage_of_layer = stage_of_layer_from_sizes(a->target_stages, src.layout.model.num_layers, target_topo.pp,
                                                       target_topo.vpp);

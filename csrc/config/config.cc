@@ -89,7 +89,7 @@ ModelConfig parse_model_config(const std::string& text, const std::string& origi
   check_keys(n,
              {"name", "num_layers", "hidden", "ffn", "heads", "query_groups", "vocab", "vocab_divisible_by",
               "max_position_embeddings", "swiglu", "tied_embeddings", "bias", "norm", "param_dtype", "optimizer",
-              "qkv_version", "tp_gt_groups", "rules"},
+              "qkv_version", "qkv_order", "tp_gt_groups", "rules"},
              origin, "");
   ModelConfig m;
   m.name = get<std::string>(n, "name", origin, origin);
@@ -114,6 +114,7 @@ ModelConfig parse_model_config(const std::string& text, const std::string& origi
   if (m.optimizer != "adam" && m.optimizer != "adamw")
     fail(ErrorCode::kInvalidArgument, origin, ": field optimizer='", m.optimizer, "': only adam/adamw (fp32 master + moments) is supported");
   m.qkv_version = get<double>(n, "qkv_version", origin, 3.0);
+  m.qkv_order = get<std::string>(n, "qkv_order", origin, "");
   try {
     m.tp_gt_groups = qkv_variant_from_name(get<std::string>(n, "tp_gt_groups", origin, "refuse"));
   } catch (const Error& e) {

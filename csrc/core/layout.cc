@@ -328,17 +328,46 @@ TpShard tp_shard(const TensorSpec& spec, const ModelConfig& cfg, int tp, int t) 
         b.len[0] = npg;
         Piece p;
         p.box = b;
-        if (cfg.qkv_version >= 2.0) {
+        const QkvOrder order = cfg.qkv_layout();
+        if (order == QkvOrder::kBlocked && q > 1) {
+          // Per rank [Q | K | V]: npg*q query heads (group-major), then npg K heads, then npg V
+          // heads, hn rows each. Three pieces: the query slots, the K slot, the V slot.
+          const int64_t row = hn * inner;
+          Piece qp = p, kp = p, vp = p;
+          qp.box.len[1] = q;
+          qp.strides = {};
+          qp.strides[0] = q * row;
+          qp.strides[1] = row;
+          qp.strides[2] = inner;
+          if (lnd == 4) qp.strides[3] = 1;
+          kp.box.off[1] = q;
+          kp.box.len[1] = 1;
+          kp.strides = {};
+          kp.strides[0] = row;
+          kp.strides[1] = row;
+          kp.strides[2] = inner;
+          if (lnd == 4) kp.strides[3] = 1;
+          kp.base = npg * q * row;
+          vp.box.off[1] = q + 1;
+          vp.box.len[1] = 1;
+          vp.strides = kp.strides;
+          vp.base = npg * (q + 1) * row;
+          s.pieces.push_back(qp);
+          s.pieces.push_back(kp);
+          s.pieces.push_back(vp);
+          return s;
+        }
+        if (order == QkvOrder::kInterleaved) {
           std::vector<int64_t> local = logical;
           local[0] = npg;
           p.strides = rm_of(local);
-        } else if (cfg.qkv_version >= 1.0) {  // per rank [np, hn, 3, (H)]
+        } else if (order == QkvOrder::kPerHeadV1) {  // per rank [np, hn, 3, (H)]
           p.strides = {};
           p.strides[0] = hn * 3 * inner;
           p.strides[1] = inner;
           p.strides[2] = 3 * inner;
           if (lnd == 4) p.strides[3] = 1;
-        } else {  // version 0: per rank [3, np, hn, (H)]
+        } else {  // blocked, multi-head attention (version 0): per rank [3, np, hn, (H)]
           p.strides = {};
           p.strides[0] = hn * inner;
           p.strides[1] = npg * hn * inner;
@@ -348,8 +377,9 @@ TpShard tp_shard(const TensorSpec& spec, const ModelConfig& cfg, int tp, int t) 
         s.pieces.push_back(p);
         return s;
       }
-      if (cfg.qkv_version < 2.0)
-        fail(ErrorCode::kUnsupported, "tensor ", spec.name, ": tp=", tp, " > query_groups=", ng, " with qkv_version ", cfg.qkv_version);
+      if (cfg.qkv_layout() != QkvOrder::kInterleaved)
+        fail(ErrorCode::kUnsupported, "tensor ", spec.name, ": tp=", tp, " > query_groups=", ng, " with QKV rows in the ",
+             qkv_order_name(cfg.qkv_layout()), " order (qkv_version ", cfg.qkv_version, ")");
       if (tp % ng != 0) fail(ErrorCode::kInvalidArgument, "tensor ", spec.name, ": tp=", tp, " is not a multiple of query_groups=", ng);
       switch (cfg.tp_gt_groups) {
         case QkvVariant::kRefuse:

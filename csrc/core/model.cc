@@ -81,10 +81,31 @@ void ModelConfig::validate() const {
   if (!std::isfinite(qkv_version) || qkv_version < 0)
     fail(ErrorCode::kInvalidArgument, "model '", name, "': field qkv_version=", qkv_version,
          " must be a finite number >= 0 (Megatron's checkpoint_version)");
-  if (qkv_version < 2.0 && groups() != heads)
+  if (!qkv_order.empty() && qkv_order != "interleaved" && qkv_order != "blocked" && qkv_order != "v1" &&
+      qkv_order != "unknown")
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': field qkv_order='", qkv_order,
+         "' must be interleaved, blocked or v1 (or left out: from qkv_version)");
+  if (groups() != heads && (qkv_layout() == QkvOrder::kPerHeadV1 || (qkv_order.empty() && qkv_version < 2.0)))
     fail(ErrorCode::kInvalidArgument, "model '", name, "': qkv_version=", qkv_version,
          " (rows [3,np,hn] or [np,hn,3]) exists only for multi-head attention, but query_groups=",
-         query_groups, " != heads=", heads);
+         query_groups, " != heads=", heads, " (grouped-query rows as [Q | K | V] blocks: qkv_order: blocked)");
+}
+
+QkvOrder ModelConfig::qkv_layout() const {
+  if (qkv_order == "interleaved") return QkvOrder::kInterleaved;
+  if (qkv_order == "blocked") return QkvOrder::kBlocked;
+  if (qkv_order == "v1") return QkvOrder::kPerHeadV1;
+  if (qkv_version >= 2.0) return QkvOrder::kInterleaved;
+  return qkv_version >= 1.0 ? QkvOrder::kPerHeadV1 : QkvOrder::kBlocked;
+}
+
+const char* qkv_order_name(QkvOrder o) {
+  switch (o) {
+    case QkvOrder::kInterleaved: return "interleaved";
+    case QkvOrder::kBlocked: return "blocked";
+    case QkvOrder::kPerHeadV1: return "v1";
+  }
+  return "?";
 }
 
 void ModelConfig::validate_for(int tp, int pp, int vpp, bool even_stages) const {

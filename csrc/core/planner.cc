@@ -269,6 +269,32 @@ uint64_t Plan::hash() const {
   return h;
 }
 
+// A load that re-cuts fused QKV rows (a tp change, or source and target in different row orders)
+// must know the order on both sides: a wrong guess gives wrong values that every check passes.
+// A side whose reader could not tell (ModelConfig::qkv_order "unknown") is refused here, naming
+// the key that settles it; at the same tp and order the rows are copied as saved.
+static void check_qkv_order_known(const Layout& S, const Layout& T, const std::vector<int>& src_of) {
+  if (S.model.qkv_order_known() && T.model.qkv_order_known()) return;
+  const bool recut = S.topo.tp != T.topo.tp || S.model.qkv_layout() != T.model.qkv_layout();
+  if (!recut) return;
+  std::unordered_map<std::string, Split> split;
+  for (const TensorSpec& t : T.tensors) split[t.name] = t.split;
+  for (size_t i = 0; i < T.arrays.size(); ++i) {
+    if (src_of[i] < 0) continue;
+    auto it = split.find(T.arrays[i].tensor);
+    if (it == split.end() || it->second != Split::kQkv) continue;
+    const char* side = S.model.qkv_order_known() ? "target model" : "checkpoint";
+    fail(ErrorCode::kInvalidArgument, "tensor ", T.arrays[i].tensor, ": the fused QKV row order of the ", side,
+         " is not known (its writer recorded nothing that settles it; checkpoint_version alone does not: "
+         "Megatron-DeepSpeed writes [Q | K | V] blocks under version 3.0 since 2024-12), and this load re-cuts "
+         "those rows (tp ", S.topo.tp, "->", T.topo.tp, ", order ", qkv_order_name(S.model.qkv_layout()), "->",
+         qkv_order_name(T.model.qkv_layout()), "); state it with qkv_order: interleaved | blocked in the ",
+         "model file (interleaved: [groups, heads/groups + 2, head_dim] rows per tp rank, as Megatron-LM and "
+         "Megatron-DeepSpeed before 2024-12; blocked: [Q | K | V] per tp rank)");
+  }
+}
+
+
 Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptions& opt) {
   if (!(opt.replica_atol >= 0))
     fail(ErrorCode::kInvalidArgument, "replica tolerance (replica_atol) ", opt.replica_atol, " must be >= 0");
@@ -327,6 +353,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     src_of[i] = it->second;
     src_used[it->second] = true;
   }
+  check_qkv_order_known(S, target, src_of);
   if (!mismatched.empty()) {
     std::string msg = "model and checkpoint disagree on " + std::to_string(mismatched.size()) + " tensor shape(s): ";
     for (size_t i = 0; i < mismatched.size() && i < 8; ++i) msg += (i ? "; " : "") + mismatched[i];

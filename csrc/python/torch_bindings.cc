@@ -343,6 +343,7 @@ py::dict inspect_dict(const CheckpointReader& r) {
   model["padded_vocab"] = m.vocab > 0 ? m.padded_vocab(L.topo.tp) : 0;
   model["swiglu"] = m.swiglu; model["tied_embeddings"] = m.tied_embeddings; model["bias"] = m.bias;
   model["norm"] = m.norm; model["param_dtype"] = dtype_name(m.param_dtype); model["qkv_version"] = m.qkv_version;
+  model["qkv_order"] = m.qkv_order_known() ? qkv_order_name(m.qkv_layout()) : "unknown";
   model["tp_gt_groups"] = qkv_variant_name(m.tp_gt_groups);
   d["model"] = model;
   py::list tensors;

@@ -27,6 +27,9 @@ struct LikeOptions {
   /// Pipeline stage of each global layer at the target (may be uneven, see
   /// stage_of_layer_from_sizes); empty: the uniform split, which needs pp*vpp to divide the layers.
   std::vector<int> stage_of_layer;
+  /// The target's fused QKV row order ("interleaved" or "blocked"; ModelConfig::qkv_order);
+  /// empty: the source's.
+  std::string qkv_order;
 };
 
 /// The layout of the source's own tensors (names, global shapes, splits, stage owners) under

@@ -47,6 +47,17 @@ enum class QkvVariant : uint8_t {
 const char* qkv_variant_name(QkvVariant v);
 QkvVariant qkv_variant_from_name(const std::string& s);
 
+/// Row order of the fused QKV tensor within each tp rank's rows. A property of the code that
+/// wrote (or will read) the tensor, not of Megatron's checkpoint_version alone: upstream
+/// Megatron-DeepSpeed splits each rank's rows as three contiguous blocks since its FPDT change
+/// (676a482c, 2024-12) while still recording checkpoint_version 3.0.
+enum class QkvOrder : uint8_t {
+  kInterleaved,  // [groups, heads/groups + 2, hn] per rank (Megatron checkpoint_version >= 2; MHA: [np, 3, hn])
+  kBlocked,      // [Q | K | V] per rank: np*hn query rows, then groups*hn K rows, then V (version 0: [3, np, hn])
+  kPerHeadV1,    // [np, hn, 3] per rank (Megatron checkpoint_version 1.x; MHA only)
+};
+const char* qkv_order_name(QkvOrder o);  // "interleaved", "blocked", "v1"
+
 /// Value semantics across tp ranks.
 enum class Reduction : uint8_t { kReplicated, kPartialSum };
 
@@ -76,11 +87,19 @@ struct ModelConfig {
   DType param_dtype = DType::BF16;
   std::string optimizer = "adam";  // Adam/AdamW with fp32 master weights
   double qkv_version = 3.0;     // Megatron checkpoint_version: 0 -> [3,np,hn], 1.0 -> [np,hn,3], >=2 -> [np,3,hn]
+  /// The QKV row order when stated: "interleaved", "blocked", "v1"; "" = from qkv_version;
+  /// "unknown" = a reader could not tell (layouts assume qkv_version's order, and the planner
+  /// refuses any load that would re-cut QKV rows: a tp change or a different target order).
+  std::string qkv_order;
   QkvVariant tp_gt_groups = QkvVariant::kRefuse;
   /// Rules added before the built-in GPT rules (the first matching rule wins).
   std::vector<LayoutRule> rules;
 
   int groups() const { return query_groups > 0 ? query_groups : heads; }
+  /// The order QKV rows are laid out in: qkv_order when stated, else qkv_version's meaning
+  /// (0 -> blocked, [1, 2) -> v1, >= 2 -> interleaved).
+  QkvOrder qkv_layout() const;
+  bool qkv_order_known() const { return qkv_order != "unknown"; }
   int head_dim() const { return hidden / heads; }
   /// Padded vocab at tensor parallel size tp: the smallest multiple of vocab_divisible_by*tp
   /// that is >= vocab [Megatron tokenizer.py _vocab_size_with_padding].

@@ -71,6 +71,7 @@ def model_config_dict(cfg: M.GPTConfig) -> dict:
         "param_dtype": "bf16" if cfg.bf16 else "f32",
         "optimizer": "adam",
         "qkv_version": 3.0,  # the reference model's fused QKV: [ng, q/ng + 2, hn] rows
+        "qkv_order": "interleaved",
         "tp_gt_groups": "refuse",
     }
 

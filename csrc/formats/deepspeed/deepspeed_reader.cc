@@ -388,6 +388,7 @@ struct Builder {
   void read_shapes();
   void name_specs();
   void model_config();
+  void qkv_order(Opened* first, std::optional<double> cv, const PyValue* args);
   void build();
   void non_tensor_state();
 };
@@ -837,17 +838,23 @@ void Builder::model_config() {
     std::transform(norm.begin(), norm.end(), norm.begin(), [](unsigned char c) { return std::tolower(c); });
     cfg.norm = norm;
     cfg.vocab_divisible_by = int(opt_int(get(args, "make_vocab_size_divisible_by")).value_or(128));
+    // Learned absolute positions: Megatron-LM records position_embedding_type, Megatron-DeepSpeed
+    // add_position_embedding (False with rotary) [MDS arguments.py --no-position-embedding].
     auto pos = opt_str(get(args, "position_embedding_type"));
+    auto add_pos = opt_bool(get(args, "add_position_embedding"));
     auto mpe = opt_int(get(args, "max_position_embeddings"));
-    cfg.max_position_embeddings = (mpe && (!pos || *pos == "learned_absolute")) ? int(*mpe) : 0;
+    const bool learned = pos ? *pos == "learned_absolute" : add_pos.value_or(true);
+    cfg.max_position_embeddings = (mpe && learned) ? int(*mpe) : 0;
     note("model description from `args` in " + first->path + ": layers=" + std::to_string(cfg.num_layers) + ", hidden=" +
          std::to_string(cfg.hidden) + ", heads=" + std::to_string(cfg.heads) + ", query_groups=" + std::to_string(cfg.groups()) +
          ", ffn=" + std::to_string(cfg.ffn) + ", swiglu=" + (cfg.swiglu ? "true" : "false") + ", tied=" +
          (cfg.tied_embeddings ? "true" : "false") + " (the files cannot prove the QKV row meaning or SwiGLU; "
          "give a model file to override)");
   }
-  // QKV row order: checkpoint_version [MDS checkpointing.py; DS state_dict_factory.py: absent -> 0].
+  // QKV row order: checkpoint_version [MDS checkpointing.py; DS state_dict_factory.py: absent -> 0],
+  // and the writer's code (qkv_order).
   auto cv = opt_num(get(root, "checkpoint_version"));
+  qkv_order(first, cv, args);
   if (opt.model_path.empty()) {
     cfg.qkv_version = cv ? *cv : 0.0;
     if (!cv) note("no checkpoint_version: QKV rows read as version 0 ([3, np, hn] per rank), as DeepSpeed does");
@@ -891,6 +898,48 @@ void Builder::model_config() {
          " with make_vocab_size_divisible_by=" + std::to_string(cfg.vocab_divisible_by) + " at tp=" + std::to_string(tp) +
          "; using divisor " + std::to_string(*Vp / tp));
     cfg.vocab_divisible_by = int(*Vp / tp);
+  }
+}
+
+// The fused QKV row order is a property of the code that wrote the files, which checkpoint_version
+// alone does not pin down: upstream Megatron-DeepSpeed's ParallelAttention splits each tp rank's
+// query_key_value output into three contiguous blocks [Q | K | V] since its FPDT change (676a482c,
+// 2024-12: `each_hidden_size = mixed_x_layer.shape[-1] // 3`), and before it viewed the rows as
+// [groups, heads/groups + 2, hn] (megatron/model/transformer.py), both under checkpoint_version
+// 3.0. The same change added the argument `ds_sequence_parallel_fpdt` [MDS arguments.py], so a
+// saved `args` Namespace that has it was written by the blocked code. Without `args`, and with a
+// model file that does not state qkv_order, the order is "unknown": loads at the same tp copy the
+// rows as saved, and the planner refuses any re-cut.
+void Builder::qkv_order(Opened* first, std::optional<double> cv, const PyValue* args) {
+  const bool have_args = args && args->kind == Kind::Object;
+  const bool blocked_writer = have_args && get(args, "ds_sequence_parallel_fpdt") != nullptr;
+  const std::string stated = cfg.qkv_order;  // from the model file, or ""
+  const std::string version = cv ? std::to_string(*cv) : std::string("absent");
+  if (blocked_writer) {
+    if (!stated.empty() && stated != "blocked")
+      fail(ErrorCode::kInvalidArgument, first->path, ": the model file ", opt.model_path, " says qkv_order: ", stated,
+           ", but the files' `args` has ds_sequence_parallel_fpdt, so they were written by Megatron-DeepSpeed at or "
+           "after its FPDT change (676a482c, 2024-12), whose attention splits each tp rank's query_key_value rows "
+           "into [Q | K | V] blocks; fix qkv_order in the model file (blocked) or leave it out");
+    if (cfg.groups() != cfg.heads)
+      fail(ErrorCode::kUnsupported, first->path, ": query_groups=", cfg.groups(), " < heads=", cfg.heads,
+           " written by Megatron-DeepSpeed at or after its FPDT change (args has ds_sequence_parallel_fpdt), whose "
+           "attention cuts each rank's fused rows in three equal thirds, which does not match grouped-query "
+           "attention's Q, K and V sizes; refusing rather than guessing the rows' meaning");
+    cfg.qkv_order = "blocked";
+    note("QKV rows: [Q | K | V] blocks per tp rank (args has ds_sequence_parallel_fpdt: Megatron-DeepSpeed at or after "
+         "676a482c, 2024-12), although checkpoint_version is " + version);
+  } else if (!stated.empty()) {
+    note("QKV rows: " + stated + " (qkv_order in the model file " + opt.model_path + ")");
+  } else if (have_args) {
+    const double v = cv ? *cv : 0.0;
+    cfg.qkv_order = qkv_order_name(v >= 2.0 ? QkvOrder::kInterleaved : v >= 1.0 ? QkvOrder::kPerHeadV1 : QkvOrder::kBlocked);
+    note("QKV rows: " + cfg.qkv_order + " (checkpoint_version " + version + ", written by a Megatron trainer whose "
+         "`args` lacks ds_sequence_parallel_fpdt: Megatron-LM, or Megatron-DeepSpeed before 2024-12)");
+  } else {
+    cfg.qkv_order = "unknown";
+    note("QKV rows: order unknown (no `args` in the files, no qkv_order in the model file): copied as saved at the "
+         "same tp; a load that re-cuts them is refused until the model file states qkv_order");
   }
 }
 

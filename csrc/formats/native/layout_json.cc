@@ -246,7 +246,7 @@ json model_to_json(const ModelConfig& m) {
   json rules = json::array();
   for (const auto& r : m.rules)
     rules.push_back({{"pattern", r.pattern}, {"split", split_name(r.split)}, {"reduction", reduction_name(r.reduction)}});
-  return {{"name", m.name},
+  json j = {{"name", m.name},
           {"num_layers", m.num_layers},
           {"hidden", m.hidden},
           {"ffn", m.ffn},
@@ -264,6 +264,10 @@ json model_to_json(const ModelConfig& m) {
           {"qkv_version", m.qkv_version},
           {"tp_gt_groups", qkv_variant_name(m.tp_gt_groups)},
           {"rules", rules}};
+  // Written only when stated, so that the layout digest of files saved before the field existed
+  // is computed from the same JSON when they are read back.
+  if (!m.qkv_order.empty()) j["qkv_order"] = m.qkv_order;
+  return j;
 }
 
 ModelConfig model_from_json(const Field& f) {
@@ -284,6 +288,7 @@ ModelConfig model_from_json(const Field& f) {
   m.param_dtype = parse_name(f["param_dtype"], dtype_from_name);
   m.optimizer = f["optimizer"].str();
   m.qkv_version = f["qkv_version"].f64();
+  if (f.has("qkv_order")) m.qkv_order = f["qkv_order"].str();
   m.tp_gt_groups = parse_name(f["tp_gt_groups"], qkv_variant_from_name);
   for (const Field& rule : f["rules"].items()) {
     LayoutRule r;
