@@ -23,6 +23,9 @@ Layout layout_like(const SourceLayout& source, const Topology& target, const Lik
     cfg.qkv_order = o.qkv_order;
     cfg.validate();
   }
+  if (o.vocab_divisible_by < 0)
+    fail(ErrorCode::kInvalidArgument, "target vocab_divisible_by ", o.vocab_divisible_by, " must be > 0");
+  if (o.vocab_divisible_by > 0) cfg.vocab_divisible_by = o.vocab_divisible_by;
   if (target.tp != S.topo.tp) {
     auto inferred = inferred_tensors(source);
     if (!inferred.empty()) {

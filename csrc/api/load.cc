@@ -47,6 +47,7 @@ std::string plan_summary_json(const Plan& p, double plan_seconds) {
   j["num_replica_compares"] = p.replica_compares.size();
   j["plan_seconds"] = plan_seconds;
   j["notes"] = p.notes;
+  j["warnings"] = p.warnings;
   return j.dump(2);
 }
 
@@ -102,6 +103,7 @@ LoadReport assemble_load_report(const Plan& plan, const Layout& target, const Ch
   r.target_bytes = plan.target_bytes;
   r.waves = plan.num_waves;
   r.policies = plan.notes;
+  r.warnings = plan.warnings;
   r.policies.push_back(std::string("replica policy: ") + replica_policy_name(policy));
   r.replica_report = st.replica_report;
   for (const auto& s : ckpt.notes()) r.policies.push_back(s);
@@ -267,6 +269,7 @@ std::string LoadReport::to_json() const {
   j["preflight_seconds"] = preflight_seconds;
   j["peak_staging_bytes"] = peak_staging_bytes;
   j["policies"] = policies;
+  j["warnings"] = warnings;
   j["not_carried"] = not_carried;
   j["replica_report"] = replica_report;
   j["iteration"] = state.iteration;
@@ -288,6 +291,7 @@ std::string LoadReport::to_text() const {
      << bytes_unchecked / 1e9 << " GB of it covered by no check; "
      << verify_bytes_read / 1e9
      << " GB read for checks (replica comparisons, verify=full)\n";
+  for (const auto& w : warnings) os << "  warning: " << w << "\n";
   for (const auto& p : policies) os << "  policy: " << p << "\n";
   for (const auto& n : not_carried) os << "  not carried over: " << n << "\n";
   for (const auto& n : replica_report) os << "  replicas differ: " << n << "\n";

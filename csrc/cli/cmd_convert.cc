@@ -34,6 +34,8 @@ namespace reshard::cli {
 namespace {
 struct ConvertArgs {
   std::string in, out, target, budget, step, source_step, model, verify = "full", qkv_order;
+  std::string vocab_padding = "warn";
+  int vocab_divisible_by = 0;      // --target-vocab-divisible-by; 0: the source's
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   bool no_dedup = false;
   bool overwrite = false;  // replace an existing OUT/<step> (atomically); otherwise refused
@@ -189,6 +191,14 @@ Command convert_command() {
                   "Megatron-LM, Megatron-DeepSpeed before 2024-12) or blocked ([Q | K | V] per tp rank: "
                   "Megatron-DeepSpeed since 2024-12); default: the source's")
         ->check(CLI::IsMember({"interleaved", "blocked"}));
+    s->add_option("--target-vocab-divisible-by", a->vocab_divisible_by,
+                  "Pad the output's vocab to a multiple of N x tp (Megatron's --make-vocab-size-divisible-by; "
+                  "default: the source's)")
+        ->check(CLI::PositiveNumber);
+    s->add_option("--vocab-padding", a->vocab_padding,
+                  "An output whose padded vocab has other row counts than the source's: warn (drop or zero-fill "
+                  "padding rows, default) or refuse")
+        ->check(CLI::IsMember({"warn", "refuse"}));
     s->add_option("--verify", a->verify,
                   "Source checksum checks before writing: full (every stored piece / DeepSpeed record, default), "
                   "free (only what is read as whole pieces / records; a warning says how much), off")
@@ -205,6 +215,7 @@ Command convert_command() {
     PlanOptions po;
     po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
     po.dedup = !a->no_dedup;
+    po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
 
     std::unique_ptr<Communicator> comm;
 #ifdef RESHARD_HAVE_MPI
@@ -233,6 +244,7 @@ Command convert_command() {
       LikeOptions lo;
       lo.weights_on_dp0_only = true;  // a saved checkpoint holds dp-replicated weights once
       lo.qkv_order = a->qkv_order;
+      lo.vocab_divisible_by = a->vocab_divisible_by;
       if (!a->target_stages.empty())
         lo.stage_of_layer = stage_of_layer_from_sizes(a->target_stages, src.layout.model.num_layers, target_topo.pp,
                                                       target_topo.vpp);
@@ -258,6 +270,8 @@ Command convert_command() {
         if (e.code() != ErrorCode::kDataLoss) throw;
         fail(ErrorCode::kDataLoss, missing_files(*ckpt), e.what());
       }
+      if (rank == 0)
+        for (const auto& w : plan.warnings) std::fprintf(stderr, "reshard: warning: %s\n", detail::one_line(w).c_str());
       // Checksums of every stored piece / record, split over the ranks, before anything is written.
       if (a->verify == "full") {
         std::vector<std::string> problems = gather_lines(comm.get(), check_pieces(*ckpt, rank, comm ? comm->size() : 1));

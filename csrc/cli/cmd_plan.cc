@@ -16,6 +16,7 @@ namespace {
 struct PlanArgs {
   std::string path, step, model, source, target, budget;
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
+  std::string vocab_padding = "warn";
   bool json = false, no_dedup = false;
 };
 
@@ -37,6 +38,10 @@ Command plan_command() {
         ->delimiter(',');
     s->add_option("--memory-budget", a->budget, "Per-rank staging budget per wave (e.g. 1GiB)");
     s->add_flag("--no-dedup", a->no_dedup, "Each rank reads what it needs (no fan-out)");
+    s->add_option("--vocab-padding", a->vocab_padding,
+                  "A target whose padded vocab has other row counts: warn (drop or zero-fill padding rows, "
+                  "default) or refuse")
+        ->check(CLI::IsMember({"warn", "refuse"}));
     s->add_flag("--json", a->json, "Print a JSON summary");
     return s;
   };
@@ -44,6 +49,7 @@ Command plan_command() {
     PlanOptions po;
     po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
     po.dedup = !a->no_dedup;
+    po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
     Topology target = Topology::parse(a->target);
     // Uneven target stages: as given, or else the source's own split where pp stays.
     auto target_options = [&](const ModelConfig& m, const Layout* source) {
@@ -92,6 +98,7 @@ Command plan_command() {
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     std::fprintf(stderr, "change: %s\n", plan.change.c_str());
+    for (const auto& w : plan.warnings) std::fprintf(stderr, "warning: %s\n", detail::one_line(w).c_str());
     if (a->json) {
       std::cout << plan_summary_json(plan, secs) << std::endl;
     } else {

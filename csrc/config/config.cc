@@ -172,7 +172,8 @@ ResumeConfig load_resume_config(const std::string& path) {
   }
   if (const YAML::Node p = n["policies"]) {
     check_keys(p, {"replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes",
-                   "memory_budget_gib", "dedup", "compare_replicas", "weights_from_master", "node_local_reads"},
+                   "memory_budget_gib", "dedup", "compare_replicas", "weights_from_master", "node_local_reads",
+                   "vocab_padding"},
                path, "policies.");
     try {
       rc.plan.replica_policy = replica_policy_from_name(get<std::string>(p, "replicas", path, "error"));
@@ -182,6 +183,10 @@ ResumeConfig load_resume_config(const std::string& path) {
     rc.plan.replica_atol = get<double>(p, "replica_atol", path, 0.0);
     if (!(rc.plan.replica_atol >= 0))
       fail(ErrorCode::kInvalidArgument, path, ": field policies.replica_atol must be a number >= 0, got ", rc.plan.replica_atol);
+    const std::string vp = get<std::string>(p, "vocab_padding", path, "warn");
+    if (vp != "warn" && vp != "refuse")
+      fail(ErrorCode::kInvalidArgument, path, ": field policies.vocab_padding is '", vp, "'; expected warn or refuse");
+    rc.plan.refuse_vocab_padding_change = vp == "refuse";
     rc.plan.strict_missing = get<bool>(p, "strict_missing", path, true);
     rc.plan.strict_unexpected = get<bool>(p, "strict_unexpected", path, true);
     if (p["memory_budget_gib"] && p["memory_budget_bytes"])

@@ -295,6 +295,60 @@ static void check_qkv_order_known(const Layout& S, const Layout& T, const std::v
 }
 
 
+// The vocab_divisible_by that makes Megatron's padding of `vocab` at tp `tp` come to `rows`
+// (ceil(vocab / (d * tp)) * d * tp == rows): the largest power of two that does, else the
+// smallest divisor that does; 0 when none does.
+int64_t divisor_for_rows(int64_t vocab, int64_t rows, int tp) {
+  if (vocab <= 0 || rows < vocab || tp <= 0 || rows % tp != 0) return 0;
+  auto works = [&](int64_t d) { const int64_t m = d * tp; return rows % m == 0 && rows - m < vocab; };
+  int64_t best = 0;
+  for (int64_t d = 1; d * tp <= rows; d *= 2)
+    if (works(d)) best = d;
+  if (best) return best;
+  for (int64_t d = 1; d * tp <= rows; ++d)
+    if (works(d)) return d;
+  return 0;
+}
+
+namespace {
+
+// "" when every vocab array keeps its padded row count; else one sentence naming the tensors,
+// the rows dropped or added, and the divisor that keeps the source's rows.
+std::string vocab_padding_change(const Layout& S, const Layout& target, const std::vector<int>& src_of) {
+  std::map<std::string, std::pair<int64_t, int64_t>> rows;  // tensor -> (source rows, target rows)
+  int64_t real = -1;
+  for (size_t i = 0; i < target.arrays.size(); ++i) {
+    if (src_of[i] < 0) continue;
+    const auto& s = S.arrays[src_of[i]];
+    const auto& t = target.arrays[i];
+    if (s.real_rows < 0 || t.real_rows < 0 || s.shape[0] == t.shape[0]) continue;
+    rows[t.tensor] = {s.shape[0], t.shape[0]};
+    real = t.real_rows;
+  }
+  if (rows.empty()) return "";
+  std::string names;
+  for (const auto& [n, r] : rows) names += (names.empty() ? "" : ", ") + n;
+  const auto [src_rows, dst_rows] = rows.begin()->second;
+  const int tp = target.topo.tp;
+  std::ostringstream os;
+  os << "vocab padding: the source pads vocab " << real << " to " << src_rows << " rows, the target to " << dst_rows
+     << " (vocab_divisible_by " << target.model.vocab_divisible_by << " x tp " << tp << "): ";
+  if (dst_rows < src_rows)
+    os << src_rows - dst_rows << " trained padding row(s) of " << names << " dropped (every state kind; real rows kept)";
+  else
+    os << dst_rows - src_rows << " padding row(s) of " << names << " added as zeros";
+  os << ". A trainer whose loss normalises over every padded row (Megatron's vocab-parallel cross entropy) computes "
+        "another loss from the same weights; ";
+  if (const int64_t d = divisor_for_rows(real, src_rows, tp))
+    os << "vocab_divisible_by " << d << " (--make-vocab-size-divisible-by " << d << ") at tp " << tp << " keeps the "
+       << src_rows << " rows";
+  else
+    os << "no vocab_divisible_by gives " << src_rows << " rows at tp " << tp;
+  return os.str();
+}
+
+}  // namespace
+
 Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptions& opt) {
   if (!(opt.replica_atol >= 0))
     fail(ErrorCode::kInvalidArgument, "replica tolerance (replica_atol) ", opt.replica_atol, " must be >= 0");
@@ -420,7 +474,6 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   std::vector<int32_t> own_array;       // their source array
   std::vector<std::string> gaps;
   size_t n_gaps = 0;
-  uint64_t dropped_rows_arrays = 0;
   for (const Piece& tp : target.pieces) {
     int sa = src_of[tp.array];
     if (sa < 0) continue;
@@ -529,20 +582,13 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     if (n_gaps > gaps.size()) msg += "; ...";
     fail(ErrorCode::kDataLoss, msg);
   }
-  // Source vocab rows the target drops.
-  for (size_t i = 0; i < target.arrays.size(); ++i) {
-    int sa = src_of[i];
-    if (sa < 0) continue;
-    const auto& s = S.arrays[sa];
-    const auto& t = target.arrays[i];
-    if (s.real_rows >= 0 && s.shape[0] > t.shape[0]) ++dropped_rows_arrays;
+  // Vocab padding rows that differ between source and target (dropped or added): a warning, or
+  // with PlanOptions::refuse_vocab_padding_change an error, before anything is read.
+  if (const std::string w = vocab_padding_change(S, target, src_of); !w.empty()) {
+    if (opt.refuse_vocab_padding_change)
+      fail(ErrorCode::kInvalidArgument, w, " (refused: policy vocab_padding=refuse)");
+    plan.warnings.push_back(w);
   }
-  if (dropped_rows_arrays)
-    plan.notes.push_back(std::to_string(dropped_rows_arrays) +
-                         " vocab array(s): padding rows beyond the target's padded vocab dropped (real rows kept)");
-  bool any_pad_fill = false;
-  for (const auto& f : plan.fills) any_pad_fill |= f.extent.numel() > 0;
-  if (any_pad_fill) plan.notes.push_back("vocab padding rows only the target has: filled with zeros");
 
   auto src_piece = [&](int32_t id) -> const SrcPiece& {
     if (size_t(id) >= own_base) return own[id - own_base];

@@ -208,10 +208,16 @@ PlanOptions plan_options_from_py(const py::dict& d) {
     else if (k == "compare_replicas") as(&o.compare_replicas, "True or False");
     else if (k == "weights_from_master") as(&o.weights_from_master, "True or False");
     else if (k == "node_local_reads") as(&o.node_local_reads, "True or False");
+    else if (k == "vocab_padding") {
+      as(&name, "a string (warn or refuse)");
+      if (name != "warn" && name != "refuse")
+        fail(ErrorCode::kInvalidArgument, "policy 'vocab_padding' must be warn or refuse, got '", name, "'");
+      o.refuse_vocab_padding_change = name == "refuse";
+    }
     else
       fail(ErrorCode::kInvalidArgument, "unknown policy '", k,
            "' (known: replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup, "
-           "compare_replicas, weights_from_master, node_local_reads)");
+           "compare_replicas, weights_from_master, node_local_reads, vocab_padding)");
   }
   return o;
 }
@@ -227,6 +233,7 @@ py::dict plan_options_to_py(const PlanOptions& o) {
   d["compare_replicas"] = o.compare_replicas;
   d["weights_from_master"] = o.weights_from_master;
   d["node_local_reads"] = o.node_local_reads;
+  d["vocab_padding"] = o.refuse_vocab_padding_change ? "refuse" : "warn";
   return d;
 }
 

@@ -31,7 +31,7 @@ struct ResumeConfig {
 /// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=..", verify: free|full|off (default free),
 /// policies: {replicas: error|average|first,
 /// replica_atol, strict_missing, strict_unexpected, memory_budget_bytes (or memory_budget_gib), dedup,
-/// compare_replicas, weights_from_master, node_local_reads}.
+/// compare_replicas, weights_from_master, node_local_reads, vocab_padding: warn|refuse}.
 ResumeConfig load_resume_config(const std::string& path);
 
 }  // namespace reshard

@@ -30,6 +30,9 @@ struct LikeOptions {
   /// The target's fused QKV row order ("interleaved" or "blocked"; ModelConfig::qkv_order);
   /// empty: the source's.
   std::string qkv_order;
+  /// The target's vocab_divisible_by (Megatron's --make-vocab-size-divisible-by): vocab tensors
+  /// get ceil(vocab / (d * tp)) * d * tp rows; 0: the source's.
+  int vocab_divisible_by = 0;
 };
 
 /// The layout of the source's own tensors (names, global shapes, splits, stage owners) under

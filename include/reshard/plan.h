@@ -56,6 +56,11 @@ struct PlanOptions {
   /// Fill a target 16-bit weight from the source fp32 master (downcast) when the source has no
   /// 16-bit copy (ZeRO-3 checkpoints). Reported in Plan::notes.
   bool weights_from_master = true;
+  /// A target whose padded vocab rows differ from the source's (vocab_divisible_by x tp pads to
+  /// another row count): false (default) drops the source's extra padding rows or zero-fills the
+  /// target's extra ones and says so in Plan::warnings; true refuses (InvalidArgument), since
+  /// trainers that normalise the loss over every padded row compute another loss after either.
+  bool refuse_vocab_padding_change = false;
 };
 
 /// Smallest memory budget accepted (bytes).
@@ -170,7 +175,10 @@ struct Plan {
   std::vector<int32_t> rank_machine;
   int num_waves = 0;
   std::vector<RankStats> ranks;
-  std::vector<std::string> notes;  // policies applied, rows dropped, weights from master, ...
+  std::vector<std::string> notes;  // policies applied, weights from master, ...
+  /// What changes a trained model's results and that the user should act on: vocab padding rows
+  /// dropped or added (with the vocab_divisible_by that keeps them). Not part of hash().
+  std::vector<std::string> warnings;
   uint64_t bytes_to_read = 0;      // all ranks, load reads (replica copies averaged included)
   uint64_t bytes_reread_on_node = 0;  // part of bytes_to_read that another rank of the same node
                                       // also reads (served by the node's page cache, not storage)
@@ -189,6 +197,11 @@ struct Plan {
 ///  - kInvalidArgument: missing/unexpected tensors (per strictness), shape mismatches other than
 ///    vocab padding rows, a memory budget below kMinMemoryBudget.
 Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptions& options = {});
+
+/// The vocab_divisible_by d for which Megatron's padding of `vocab` at tensor parallel `tp`,
+/// ceil(vocab / (d * tp)) * d * tp, equals `rows`: the largest power of two that does, else the
+/// smallest d that does; 0 when none does (rows < vocab, or rows not a multiple of tp).
+int64_t divisor_for_rows(int64_t vocab, int64_t rows, int tp);
 
 /// Uncovered regions found while planning (also in the kDataLoss message), for tests and reports.
 struct CoverageGap {

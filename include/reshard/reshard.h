@@ -88,6 +88,7 @@ struct LoadReport {
   /// held at a time (at most min(64 MiB, the plan's memory budget); 0 without verify="full").
   uint64_t peak_verify_bytes = 0;
   std::vector<std::string> policies;     // policies applied and notes from the plan
+  std::vector<std::string> warnings;     // Plan::warnings: what changes results (vocab padding rows)
   std::vector<std::string> not_carried;  // state not carried over, and why
   std::vector<std::string> replica_report;
   NonTensorState state;  // per_rank blobs only when the layout is identical

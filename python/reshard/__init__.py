@@ -57,7 +57,7 @@ _REPO_CONFIGS = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname
                               "configs", "models")
 
 _POLICY_KEYS = ("replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes", "dedup",
-                "compare_replicas", "weights_from_master", "node_local_reads")
+                "compare_replicas", "weights_from_master", "node_local_reads", "vocab_padding")
 
 
 def model_config(model: Union[str, Mapping, "ModelConfig"]) -> "ModelConfig":
@@ -247,13 +247,18 @@ def plan(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], *, step=N
     Returns ``{"change", "source_layout", "target_layout", "source_world_size", "target_world_size",
     "bytes_to_read", "bytes_needed", "bytes_to_exchange", "target_bytes",
     "peak_staging_bytes_per_rank" (bytes), "read_amplification", "num_waves", "num_fragments",
-    "num_replica_compares", "plan_seconds", "notes"}``.
+    "num_replica_compares", "plan_seconds", "notes", "warnings"}``; "warnings" lists what changes a
+    trained model's results (vocab padding rows dropped or added).
 
     ``policies``: replicas ("error" | "average" | "first"), replica_atol (float, absolute),
     strict_missing, strict_unexpected (bool), memory_budget_bytes (int, per rank per wave) or
     memory_budget_gib, dedup, compare_replicas, weights_from_master, node_local_reads (bool; load
     only: ranks of one machine each copy shared bytes out of the page cache instead of exchanging
-    them, default on).
+    them, default on), vocab_padding ("warn", default: a target whose padded vocab has fewer rows
+    drops the source's extra padding rows, one with more zero-fills them, and "warnings" says how
+    many rows and which vocab_divisible_by keeps them; "refuse": InvalidArgument instead, for
+    trainers whose loss normalises over every padded row, as Megatron's vocab-parallel cross
+    entropy does).
 
     Raises DataLoss (elements no file covers, listed per tensor), InvalidArgument (missing or
     unexpected tensors under strictness, shape mismatches, a budget below 64 KiB), and the errors
@@ -401,7 +406,7 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     a unit checked by several ranks counts each time), "bytes_unchecked" (bytes read from storage
     that no check covered), "plan_seconds", "seconds" (wall, max over ranks), "gbps"
     (target_bytes / seconds / 1e9), "waves", "peak_staging_bytes", "peak_verify_bytes" (bytes, max over
-    ranks), "policies", "not_carried",
+    ranks), "warnings" (the plan's: vocab padding rows dropped or added), "policies", "not_carried",
     "replica_report", "iteration", "step", "consumed_samples", "state" {iteration, consumed_samples,
     step, json, per_rank {rank: bytes} (only when the layout is identical; pickled blobs are
     removed, listed in per_rank_refused {rank: "pickle"} and named under "not_carried": reshard
@@ -635,7 +640,7 @@ def load_resume_config(path: str) -> dict:
     latest), "model" (file or ""), "target" (topology string), "target_topology" {tp, pp, vpp, dp,
     zero}, "verify" ("free" | "full" | "off"; load's checksum checks, default "free"), "policies"
     {replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup,
-    compare_replicas, weights_from_master, node_local_reads}}``.
+    compare_replicas, weights_from_master, node_local_reads, vocab_padding ("warn" | "refuse")}}``.
 
     Raises NotFound for a missing file, InvalidArgument naming the field otherwise."""
     return _C.load_resume_config(str(path))

@@ -448,7 +448,8 @@ def test_resume_config_fields_are_checked_by_type_and_named(tmp_path):
              # Session 13 tester: a second document was ignored, 1e-300 GiB became a 0-byte budget.
              (base + "---\ncheckpoint: {root: /y}\ntarget: tp=2\n", "holds 2 YAML documents"),
              (base + "policies: {memory_budget_gib: 1e-300}\n", "policies.memory_budget_gib gives 0 bytes, below"),
-             (base + "policies: {memory_budget_bytes: 100}\n", "policies.memory_budget_bytes gives 100 bytes, below")]
+             (base + "policies: {memory_budget_bytes: 100}\n", "policies.memory_budget_bytes gives 100 bytes, below"),
+             (base + "policies: {vocab_padding: drop}\n", "policies.vocab_padding is 'drop'; expected warn or refuse")]
     for text, msg in cases:
         f.write_text(text)
         with pytest.raises(reshard.InvalidArgument, match=msg) as e:
@@ -489,6 +490,44 @@ def test_resume_configs():
     assert rc["step"] == "24" and rc["policies"]["memory_budget_bytes"] == 2**30
     assert rc["policies"]["node_local_reads"] is True and rc["policies"]["compare_replicas"] is True
     assert rc["verify"] == "full"
+    assert rc["policies"]["vocab_padding"] == "warn"
+
+
+def test_vocab_padding_drop_warns_with_the_divisor_and_refuse_stops_it(tmp_path):
+    """vocab 13, vocab_divisible_by 1: tp=2 pads to 14 rows, tp=1 to 13. The load drops the trained
+    padding row (real rows bitwise), and the report's warning says how many rows and that
+    vocab_divisible_by 2 keeps them; policy vocab_padding=refuse stops it before any write."""
+    m = {"name": "v13", "num_layers": 1, "hidden": 8, "ffn": 16, "heads": 2, "vocab": 13, "vocab_divisible_by": 1,
+         "max_position_embeddings": 0, "swiglu": False, "tied_embeddings": True, "bias": True, "norm": "layernorm",
+         "param_dtype": "f32", "qkv_version": 3.0}
+    ck = str(tmp_path / "ck")
+    reshard.synth_checkpoint(ck, m, "tp=2,pp=1,dp=1,zero=1", 3)
+    p = reshard.plan(ck, "tp=1,pp=1,dp=1,zero=1")
+    assert len(p["warnings"]) == 1, p
+    w = p["warnings"][0]
+    assert "pads vocab 13 to 14 rows, the target to 13" in w and "1 trained padding row(s)" in w, w
+    assert "--make-vocab-size-divisible-by 2) at tp 1 keeps the 14 rows" in w, w
+    L = reshard.derive_layout(reshard.model_config(m), "tp=1,pp=1,dp=1,zero=1")
+    t = zeros_for(L)
+    report = reshard.load(ck, L, t, comm=reshard.local_communicator())
+    assert report["warnings"] == [w] and "warning: vocab padding" in report["text"]
+    emb = t["weight/embedding.word_embeddings.weight"].view(13, 8)
+    L2 = reshard.derive_layout(reshard.model_config(m), "tp=1,pp=1,dp=1,zero=1")
+    t2 = zeros_for(L2, fill=0.0)
+    with pytest.raises(reshard.InvalidArgument, match="refused: policy vocab_padding=refuse"):
+        reshard.load(ck, L2, t2, comm=reshard.local_communicator(), policies={"vocab_padding": "refuse"})
+    assert all(float(x.abs().sum()) == 0 for x in t2.values())  # nothing written
+    with pytest.raises(reshard.InvalidArgument, match="vocab_padding' must be warn or refuse"):
+        reshard.plan(ck, "tp=1,pp=1,dp=1,zero=1", policies={"vocab_padding": "drop"})
+    # The divisor the warning names keeps every row: no warning, and refuse lets it through.
+    m2 = dict(m, vocab_divisible_by=2)
+    L3 = reshard.derive_layout(reshard.model_config(m2), "tp=1,pp=1,dp=1,zero=1")
+    t3 = zeros_for(L3)
+    r3 = reshard.load(ck, L3, t3, comm=reshard.local_communicator(), policies={"vocab_padding": "refuse"})
+    assert r3["warnings"] == []
+    kept = t3["weight/embedding.word_embeddings.weight"].view(14, 8)
+    assert torch.equal(kept[:13], emb)  # the same real rows either way
+    assert float(kept[13].abs().sum()) > 0  # and the trained padding row, which the drop lost
 
 
 def test_resume_config_verify_field(tmp_path):

@@ -143,3 +143,38 @@ def test_unknown_qkv_order_refuses_a_recut_and_copies_at_the_same_tp(tmp_path):
     r = subprocess.run([CLI, "convert", str(src), str(tmp_path / "o2"), "--target", "tp=2,pp=1,dp=2,zero=1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_vocab_padding_growth_warns_and_the_named_divisor_keeps_the_rows(tmp_path):
+    """Upstream's vocab-parallel cross entropy normalises over every padded row, so rows a tp change
+    adds (or drops) change the loss. vocab 128 with --make-vocab-size-divisible-by 64 is 128 rows at
+    tp 2 and 256 at tp 4: convert warns with the count and the divisor that keeps 128 rows, refuses
+    under --vocab-padding refuse, and with that divisor writes the source's rows bitwise."""
+    case = "head_tp2pp2_fp32"
+    src, target = os.path.join(DATA, case), "tp=4,pp=1,dp=1,zero=1"
+    r = subprocess.run([CLI, "convert", src, str(tmp_path / "grow"), "--target", target],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("reshard: warning: vocab padding: the source pads vocab 128 to 128 rows, the target to 256 "
+            "(vocab_divisible_by 64 x tp 4): 128 padding row(s) of embedding.word_embeddings.weight added as zeros"
+            in r.stderr), r.stderr[-2000:]
+    assert "--make-vocab-size-divisible-by 32) at tp 4 keeps the 128 rows" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([CLI, "plan", src, "--target", target, "--vocab-padding", "refuse"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "refused: policy vocab_padding=refuse" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([CLI, "convert", src, str(tmp_path / "refused"), "--target", target, "--vocab-padding", "refuse"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "refused: policy vocab_padding=refuse" in r.stderr, r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "refused" / "latest")
+    out = tmp_path / "kept"
+    r = subprocess.run([CLI, "convert", src, str(out), "--target", target, "--target-vocab-divisible-by", "32",
+                        "--vocab-padding", "refuse"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-2000:]
+    step = open(os.path.join(DATA, case, "latest")).read().strip()
+    emb = torch.cat([torch.load(os.path.join(src, step, f"layer_01-model_{t:02d}-model_states.pt"), map_location="cpu",
+                                weights_only=False)["word_embeddings.weight"] for t in range(2)])
+    assert emb.shape[0] == 128
+    ostep = open(os.path.join(out, "latest")).read().strip()
+    got = torch.cat([load_file(os.path.join(out, ostep, f"rank_{u:05d}.safetensors"))["weight/embedding.word_embeddings.weight"]
+                     .view(32, -1) for u in range(4)])
+    assert torch.equal(got, emb)

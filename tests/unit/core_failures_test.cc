@@ -406,6 +406,18 @@ TEST(FailureB16, PaddedVocabIsAGlobalShapeNotMultipliedByTp) {
   EXPECT_EQ(b.buffers[b.find_buffer(1, "weight/embedding.word_embeddings.weight")].numel, 8 * 4);  // [8, 4] per rank
 }
 
+// Runs fn, which must throw reshard::Error with `code` and a message containing `part`.
+template <typename Fn>
+void expect_error(ErrorCode code, const std::string& part, Fn fn) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error containing: " << part;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
 TEST(FailureB24, VocabNotDivisibleByTpReloadsAtTp1AndTp4) {
   ModelConfig m = base_model();
   m.vocab = 13;
@@ -423,11 +435,27 @@ TEST(FailureB24, VocabNotDivisibleByTpReloadsAtTp1AndTp4) {
   simulate_plan(p, one, ma.reader(), mo.ptrs());
   EXPECT_EQ(one.buffers[one.find_buffer(0, "weight/" + t)].numel, 13 * 4);
   expect_rows(one, mo, t, 4, [](int) { std::vector<int64_t> v; for (int i = 0; i < 13; ++i) v.push_back(i); return v; });
-  bool noted = false;
-  for (const auto& n : p.notes) noted |= n.find("padding rows beyond the target's padded vocab dropped") != std::string::npos;
-  EXPECT_TRUE(noted);
+  // The drop is a warning that says how many rows and which divisor keeps them (ceil(13/2)*2 = 14).
+  ASSERT_EQ(p.warnings.size(), 1u);
+  EXPECT_NE(p.warnings[0].find("pads vocab 13 to 14 rows, the target to 13"), std::string::npos) << p.warnings[0];
+  EXPECT_NE(p.warnings[0].find("1 trained padding row(s) of embedding.word_embeddings.weight, lm_head.weight dropped"), std::string::npos)
+      << p.warnings[0];
+  EXPECT_NE(p.warnings[0].find("--make-vocab-size-divisible-by 2) at tp 1 keeps the 14 rows"), std::string::npos)
+      << p.warnings[0];
+  PlanOptions refuse;
+  refuse.refuse_vocab_padding_change = true;
+  expect_error(ErrorCode::kInvalidArgument, "policy vocab_padding=refuse", [&] { make_plan(ma.as_source(a), one, refuse); });
   Layout four = weights_layout(m, "tp=4,dp=1");  // 16 rows: row 13 from the source's padding, 14-15 zero
   MemCheckpoint mf(four);
+  Plan p4 = make_plan(ma.as_source(a), four);
+  ASSERT_EQ(p4.warnings.size(), 1u);
+  EXPECT_NE(p4.warnings[0].find("2 padding row(s) of embedding.word_embeddings.weight, lm_head.weight added as zeros"), std::string::npos)
+      << p4.warnings[0];
+  EXPECT_NE(p4.warnings[0].find("no vocab_divisible_by gives 14 rows at tp 4"), std::string::npos) << p4.warnings[0];
+  expect_error(ErrorCode::kInvalidArgument, "added as zeros", [&] { make_plan(ma.as_source(a), four, refuse); });
+  // The same rows on both sides: no warning, and the policy lets it through.
+  Layout two = weights_layout(m, "tp=2,dp=2");
+  EXPECT_TRUE(make_plan(ma.as_source(a), two, refuse).warnings.empty());
   run(a, ma, four, mf);
   float* r3 = weight_ptr(four, mf, 3, t);  // rows 12..15
   for (int c = 0; c < 4; ++c) {
@@ -436,6 +464,26 @@ TEST(FailureB24, VocabNotDivisibleByTpReloadsAtTp1AndTp4) {
     EXPECT_EQ(r3[2 * 4 + c], 0.f);
     EXPECT_EQ(r3[3 * 4 + c], 0.f);
   }
+}
+
+TEST(FailureB24, DivisorForRowsReproducesMegatronPadding) {
+  EXPECT_EQ(divisor_for_rows(13, 14, 1), 2);          // ceil(13/2)*2 = 14
+  EXPECT_EQ(divisor_for_rows(50257, 50432, 1), 256);  // GPT-2 at tp 2 x 128, kept at tp 1
+  EXPECT_EQ(divisor_for_rows(50257, 50432, 4), 64);
+  EXPECT_EQ(divisor_for_rows(50257, 50432, 8), 32);
+  EXPECT_EQ(divisor_for_rows(128, 128, 4), 32);       // the largest power of two that works
+  EXPECT_EQ(divisor_for_rows(13, 14, 4), 0);          // 14 rows cannot be cut in 4
+  EXPECT_EQ(divisor_for_rows(13, 12, 1), 0);          // fewer rows than the vocab
+  EXPECT_EQ(divisor_for_rows(10, 15, 1), 15);         // no power of two works (10, 10, 12, 16): the smallest d
+  for (int64_t V : {13, 100, 50257})
+    for (int tp : {1, 2, 4, 8})
+      for (int64_t rows = V; rows < V + 300; ++rows)
+        if (int64_t d = divisor_for_rows(V, rows, tp)) {
+          ModelConfig m;
+          m.vocab = V;
+          m.vocab_divisible_by = int(d);
+          EXPECT_EQ(m.padded_vocab(tp), rows) << V << " " << rows << " " << tp;
+        }
 }
 
 // ---- flat partitions (B01, B02): custom tensors through build_layout ----
