@@ -37,6 +37,7 @@ every live tensor untouched.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
@@ -414,6 +415,27 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _check_scheduler_state(sched, state, path: str) -> None:
+    """Loads `state` into a shallow copy of the LR scheduler, before any tensor is written: a
+    scheduler that refuses it (upstream's OptimizerParamScheduler asserts that the checkpoint's
+    warmup / decay iterations equal the job's) fails the load while the job is untouched. The
+    optimizer's lr / weight_decay, which a scheduler's step sets, are put back afterwards."""
+    opt = getattr(sched, "optimizer", None)
+    groups = list(getattr(opt, "param_groups", []) or [])
+    saved = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in groups]
+    try:
+        copy.copy(sched).load_state_dict(copy.deepcopy(state))
+    except (AssertionError, KeyError, TypeError, ValueError) as e:
+        raise reshard.InvalidArgument(
+            f"{path}: the LR scheduler ({type(sched).__name__}) refuses the checkpoint's state: {e or type(e).__name__}. "
+            "Start the job with the schedule it was saved with (upstream: the same --train-iters / --lr-decay-iters / "
+            "--lr-warmup-iters), or let it choose (--override-opt_param-scheduler, "
+            "--use-checkpoint-opt_param-scheduler); nothing was loaded") from None
+    finally:
+        for g, s in zip(groups, saved):
+            g.update(s)
+
+
 def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policies: Optional[dict] = None,
                 verify: str = "free") -> Tuple[dict, dict]:
     """Loads the opened checkpoint ``ckpt`` (reshard.open_checkpoint) into the engine of ``view``:
@@ -432,6 +454,12 @@ def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policie
     if int(src_state["iteration"]) < 0:
         raise reshard.DataLoss(f"{ckpt.path}: the checkpoint records no iteration")
     engine, zopt, opt = view.engine, view.zopt, view.torch_opt
+    glob = json.loads(src_state["json"] or "{}")
+    if not isinstance(glob, dict):
+        glob = {}
+    sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
+    if sched is not None and glob.get("lr_scheduler") is not None:
+        _check_scheduler_state(sched, glob["lr_scheduler"], ckpt.path)
     layout = view.layout(for_save=False)
     tensors, created = view.buffers(layout, create_missing_state=True)
     report = reshard.load(ckpt, layout, tensors, comm=reshard.communicator(), policies=policies, verify=verify)
@@ -447,15 +475,11 @@ def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policie
         dtype = old.dtype if torch.is_tensor(old) else torch.float32
         device = old.device if torch.is_tensor(old) else torch.device("cpu")
         st["step"] = torch.tensor(float(step_value), dtype=dtype, device=device)
-    glob = json.loads(src_state["json"] or "{}")
-    if not isinstance(glob, dict):
-        glob = {}
     ls = glob.get("loss_scaler")
     if isinstance(ls, dict) and isinstance(ls.get("state"), dict):  # DeepSpeed's LossScaler object
         ls = ls["state"]
     if isinstance(ls, dict) and "cur_scale" in ls and hasattr(zopt, "loss_scaler"):
         zopt.loss_scaler.cur_scale = ls["cur_scale"]
-    sched = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler", None)
     if sched is not None and glob.get("lr_scheduler") is not None:
         sched.load_state_dict(glob["lr_scheduler"])
     elif sched is not None:
