@@ -318,7 +318,7 @@ Command convert_command() {
         lo.plan = po;
         lo.verify = a->verify == "full" ? "off" : a->verify;  // "full": every unit was checked above
         LoadReport r = load(*ckpt, target, ptrs, *comm, lo);
-        save_native(a->out, step, target, cptrs, state, *comm);
+        save_native(a->out, step, target, cptrs, state, *comm, /*replace_step=*/a->overwrite);
         if (rank == 0) {
           std::fputs(r.to_text().c_str(), stdout);
           // Re-reads by a second rank of a machine are checked once (by the first), not again.
@@ -349,7 +349,7 @@ Command convert_command() {
           if (a->verify != "free" || !box_is_dense(f.box, f.src_strides) ||
               !ckpt->has_checksum(f.file, f.byte_base, f.bytes()))
             unchecked += f.bytes();
-        save_native_all_ranks(a->out, step, target, cptrs, state);
+        save_native_all_ranks(a->out, step, target, cptrs, state, /*replace_step=*/a->overwrite);
         std::printf("reshard: %s -> %s (%s), writer %s\n", src.layout.topo.to_string().c_str(),
                     target.topo.to_string().c_str(), plan.change.c_str(), ckpt->writer().c_str());
         std::printf("  read %.6f GB, wrote %.6f GB of state, %d wave(s)\n", plan.bytes_to_read / 1e9,

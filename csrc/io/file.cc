@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -14,7 +15,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "reshard/error.h"
 
@@ -401,6 +404,87 @@ void write_text(const std::string& path, const std::string& text) {
   f.pwrite(0, text.size(), text.data());
   f.fsync();
   f.close();
+}
+
+namespace {
+
+// 1: locked; 0: held by another; -1: this filesystem supports no such lock.
+int try_lock(int fd, bool ofd) {
+  if (ofd) {
+#ifdef F_OFD_SETLK
+    struct flock fl {};
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    if (fcntl(fd, F_OFD_SETLK, &fl) == 0) return 1;
+    if (errno == EAGAIN || errno == EACCES || errno == EINTR) return 0;
+#endif
+    return -1;
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) == 0) return 1;
+  if (errno == EWOULDBLOCK || errno == EINTR) return 0;
+  return -1;
+}
+
+}  // namespace
+
+FolderLock::FolderLock(const std::string& folder, const std::string& what, double timeout_s)
+    : path_(join(folder, ".reshard-lock")) {
+  const auto start = std::chrono::steady_clock::now();
+  bool ofd = true;
+  for (;;) {
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail_errno(errno, "cannot open the lock file " + path_);
+    int got = try_lock(fd_, ofd);
+    if (got < 0 && ofd) {
+      ofd = false;
+      got = try_lock(fd_, false);
+    }
+    if (got < 0) {  // no lock support here: unserialised (documented)
+      ::close(fd_);
+      fd_ = -1;
+      return;
+    }
+    while (got == 0) {
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited >= timeout_s) {
+        char holder[512] = {0};
+        const ssize_t n = ::pread(fd_, holder, sizeof(holder) - 1, 0);
+        std::string who = n > 0 ? std::string(holder, size_t(n)) : std::string("unknown");
+        while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+        ::close(fd_);
+        fd_ = -1;
+        fail(ErrorCode::kFailedPrecondition, what, ": another writer holds ", path_, " (", who,
+             ") and did not finish within ", timeout_s, " s; writers of one checkpoint folder run one at a time. "
+             "Nothing was written: wait for it or write elsewhere");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      got = try_lock(fd_, ofd);
+    }
+    // The holder before us removes the file as it lets go; a lock on a removed file locks
+    // nothing another writer can see, so lock the file the path names now.
+    struct stat mine {}, named {};
+    if (::fstat(fd_, &mine) == 0 && ::stat(path_.c_str(), &named) == 0 && mine.st_ino == named.st_ino &&
+        mine.st_dev == named.st_dev)
+      break;
+    ::close(fd_);
+    fd_ = -1;
+  }
+  held_ = true;
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  const std::string me = "pid " + std::to_string(getpid()) + " on " + host + ": " + what + "\n";
+  if (::ftruncate(fd_, 0) == 0) {
+    const ssize_t w = ::pwrite(fd_, me.data(), me.size(), 0);
+    (void)w;  // the holder's description is for messages only
+  }
+}
+
+FolderLock::~FolderLock() {
+  if (fd_ < 0) return;
+  // Removed while still held, so that no writer can lock this file after us and find it gone
+  // (those waiting on it see the path name another file, or none, and open it again).
+  if (held_) ::unlink(path_.c_str());
+  ::close(fd_);  // closing the last descriptor releases both lock kinds
 }
 
 std::string join(const std::string& a, const std::string& b) {

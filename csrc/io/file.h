@@ -180,6 +180,31 @@ void remove_all(const std::string& path);
 std::string read_text(const std::string& path, uint64_t max_bytes = uint64_t(1) << 30);
 /// Writes a whole file and fsyncs it.
 void write_text(const std::string& path, const std::string& text);
+/// An exclusive lock on a folder that writers of one checkpoint root take around a whole save
+/// (an open-file-description lock, fcntl F_OFD_SETLK, on FOLDER/.reshard-lock; flock where OFD
+/// locks are not supported). Held until destroyed. Cooperating writers in any process or thread
+/// are serialised: a second one waits, up to `timeout_s` seconds, then fails with
+/// Error(kFailedPrecondition) naming the folder and the holder (pid, host, what it is doing, as the
+/// holder wrote them into the lock file). On a filesystem that supports neither lock kind the lock
+/// is not taken and `held()` is false (nothing serialises writers there; docs/format.md).
+/// The holder removes the lock file as it lets go (a writer killed while holding it leaves it,
+/// unlocked, for the next one); a writer that locked a file since removed opens the path again,
+/// so two writers never hold it at once. Errors creating it (a read-only folder) are Error
+/// naming the path.
+class FolderLock {
+ public:
+  FolderLock(const std::string& folder, const std::string& what, double timeout_s);
+  ~FolderLock();
+  FolderLock(const FolderLock&) = delete;
+  FolderLock& operator=(const FolderLock&) = delete;
+  bool held() const { return held_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  bool held_ = false;
+};
+
 /// "a/b" + "c" -> "a/b/c".
 std::string join(const std::string& a, const std::string& b);
 /// Last path component ("/x/step-10/" -> "step-10").

@@ -43,13 +43,19 @@ constexpr int kNativeFormatVersion = 1;
 ///    failed to write (the message carries each failing rank's error);
 ///  - kInvalidArgument: a bad step name (empty, ".", "..", "latest", containing '/', starting with
 ///    '.'), a null buffer of this rank, comm size different from the layout's world size.
+///  - kFailedPrecondition: another writer of `root` held its lock (ROOT/.reshard-lock) longer
+///    than RESHARD_LOCK_TIMEOUT_S seconds (default 600; names the holder), or, with
+///    `replace_step` false, ROOT/<step> exists once the lock is held (another writer saved it).
+/// Writers of one root run one at a time (docs/format.md §5).
 void save_native(const std::string& root, const std::string& step, const Layout& layout,
-                 const std::vector<const void*>& buffers, const NonTensorState& state, Communicator& comm);
+                 const std::vector<const void*>& buffers, const NonTensorState& state, Communicator& comm,
+                 bool replace_step = true);
 
 /// Same as save_native from one process that holds every rank's buffers (synth, convert): no
 /// filesystem check is needed; rank files are written one after another.
 void save_native_all_ranks(const std::string& root, const std::string& step, const Layout& layout,
-                           const std::vector<const void*>& buffers, const NonTensorState& state);
+                           const std::vector<const void*>& buffers, const NonTensorState& state,
+                           bool replace_step = true);
 
 /// The pure core of the same-filesystem check. seen[r][q] says whether rank r saw rank q's token
 /// file. Returns "" when every rank saw every token, else the message every rank raises, e.g.

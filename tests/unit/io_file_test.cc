@@ -1,7 +1,10 @@
 // io::WindowedWriter and File::pwritev: the bytes that reach the file, and where the writes fall.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <thread>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -134,6 +137,42 @@ TEST(WindowedWriter, AFullDeviceFailsWithDataLossNamingThePathAndTheBytesNotWrit
     EXPECT_NE(msg.find("/dev/full"), std::string::npos) << msg;
     EXPECT_NE(msg.find("bytes [0, 8192)"), std::string::npos) << msg;  // the first window-aligned write
   }
+}
+
+TEST(FolderLock, SerialisesWritersAcrossThreadsAndTimesOutNamingTheHolder) {
+  const std::string dir = reshard::testing::make_temp_dir("reshard-lock-");
+  {
+    FolderLock first(dir, "saving step a to " + dir, 1.0);
+    ASSERT_TRUE(first.held());
+    // Another open file description in the same process is another writer: it waits, then fails.
+    try {
+      FolderLock second(dir, "saving step b", 0.2);
+      FAIL() << "a second writer got the lock";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kFailedPrecondition);
+      const std::string w = e.what();
+      EXPECT_NE(w.find("saving step b: another writer holds " + dir + "/.reshard-lock (pid "), std::string::npos) << w;
+      EXPECT_NE(w.find("saving step a to " + dir), std::string::npos) << w;
+    }
+  }
+  // Released when the holder goes: the next writer gets it at once, and a waiting one gets it
+  // when the holder finishes.
+  std::atomic<int> inside{0}, most{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([&] {
+      FolderLock l(dir, "writer", 30.0);
+      const int now = ++inside;
+      int m = most.load();
+      while (now > m && !most.compare_exchange_weak(m, now)) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      --inside;
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(most.load(), 1);
+  EXPECT_FALSE(exists(join(dir, ".reshard-lock")));  // the last holder removed it as it let go
+  remove_all(dir);
 }
 
 }  // namespace

@@ -58,10 +58,11 @@ RankFileResult write_rank_file(const std::string& dir, const Layout& L, int rank
                                const std::function<const void*(int buffer)>& ptr);
 
 /// Saves from one process; provide(rank) returns pointers indexed like L.buffers valid at least
-/// for that rank's buffers until the next call.
+/// for that rank's buffers until the next call. `replace_step` as in save_native_all_ranks.
 void save_all_ranks_with(const std::string& root, const std::string& step, const Layout& L,
                          const NonTensorState& state,
-                         const std::function<std::vector<const void*>(int rank)>& provide);
+                         const std::function<std::vector<const void*>(int rank)>& provide,
+                         bool replace_step = true);
 
 }  // namespace reshard::native
 

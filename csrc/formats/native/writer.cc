@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -152,6 +154,27 @@ std::string build_metadata(const std::string& step, const std::string& save, con
   return meta.dump(1) + "\n";
 }
 
+// How long a save waits for another writer of the same root (RESHARD_LOCK_TIMEOUT_S, seconds;
+// default 600).
+double lock_timeout_s() {
+  const char* v = std::getenv("RESHARD_LOCK_TIMEOUT_S");
+  if (!v || !*v) return 600.0;
+  char* end = nullptr;
+  const double t = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(t >= 0) || t > 1e7)
+    fail(ErrorCode::kInvalidArgument, "RESHARD_LOCK_TIMEOUT_S='", v, "' must be a number of seconds in [0, 1e7]");
+  return t;
+}
+
+// A save told not to replace a step finds it there once it holds the root's lock: another
+// writer saved it after the caller's own check (convert without --overwrite).
+void refuse_existing_step(const std::string& root, const std::string& step, const std::string& what) {
+  const std::string dir = io::join(root, step);
+  if (io::exists(dir))
+    fail(ErrorCode::kFailedPrecondition, what, ": ", dir, " was saved by another writer while this one ran, and this "
+         "save does not replace a step (convert: pass --overwrite, or choose another --step). Nothing was written");
+}
+
 // ".tmp-<step>-<16 hex>", ".old-<step>-<16 hex>" or ".latest-<16 hex>" of any save, or the
 // ".reshard-fscheck-<16 hex>-<rank>" token of a collective save killed before it removed it.
 bool is_any_leftover(const std::string& name) {
@@ -235,7 +258,7 @@ void commit_step(const std::string& root, const std::string& step, const std::st
   if (how == How::kExchanged) io::remove_all(tmpdir);
   if (how == How::kAside) io::remove_all(aside);
   // Leftovers of earlier crashed saves (any step): each can be as large as a checkpoint. Saves
-  // into one root are not concurrent (docs/format.md), so whatever is left now is dead.
+  // into one root hold its lock (FolderLock), so whatever is left now is dead.
   for (const auto& n : io::list_dir(root)) {
     if (is_any_leftover(n)) {
       try {
@@ -266,9 +289,12 @@ std::string ranges_text(const std::vector<int>& ranks) {
 }  // namespace
 
 void save_all_ranks_with(const std::string& root, const std::string& step, const Layout& L, const NonTensorState& state,
-                         const std::function<std::vector<const void*>(int rank)>& provide) {
+                         const std::function<std::vector<const void*>(int rank)>& provide, bool replace_step) {
   check_step_name(step);
   io::make_dirs(root);
+  const std::string what = "saving step " + step + " to " + root;
+  io::FolderLock lock(root, what, lock_timeout_s());
+  if (!replace_step) refuse_existing_step(root, step, what);
   const std::string nonce = make_nonce();
   const std::string digest = layout_digest(L);
   const std::string tmpdir = io::join(root, ".tmp-" + step + "-" + nonce);
@@ -328,7 +354,8 @@ std::string fs_check_failures(const std::vector<std::vector<bool>>& seen, const 
 }
 
 void save_native(const std::string& root, const std::string& step, const Layout& L,
-                 const std::vector<const void*>& buffers, const NonTensorState& state, Communicator& comm) {
+                 const std::vector<const void*>& buffers, const NonTensorState& state, Communicator& comm,
+                 bool replace_step) {
   using namespace native;
   check_step_name(step);
   const int rank = comm.rank(), world = comm.size();
@@ -340,11 +367,18 @@ void save_native(const std::string& root, const std::string& step, const Layout&
          L.buffers.size(), " buffers");
   const std::string what = "saving step " + step + " to " + root;
 
+  std::optional<io::FolderLock> lock;
   agree(comm, try_local([&] {
           for (size_t b = 0; b < L.buffers.size(); ++b)
             if (L.buffers[b].rank == rank && L.buffers[b].numel > 0 && !buffers[b])
               fail(ErrorCode::kInvalidArgument, "buffer ", L.buffers[b].name, " of rank ", rank, " is null");
           io::make_dirs(root);
+          // Rank 0 holds the root's lock from here to the commit: another save or convert into
+          // the same root waits (its leftovers sweep would delete this save's temporaries).
+          if (rank == 0) {
+            lock.emplace(root, what, lock_timeout_s());
+            if (!replace_step) refuse_existing_step(root, step, what);
+          }
         }),
         what);
   const std::string nonce = comm.all_gather_strings(rank == 0 ? make_nonce() : std::string()).at(0);
@@ -441,11 +475,11 @@ void save_native(const std::string& root, const std::string& step, const Layout&
 }
 
 void save_native_all_ranks(const std::string& root, const std::string& step, const Layout& layout,
-                           const std::vector<const void*>& buffers, const NonTensorState& state) {
+                           const std::vector<const void*>& buffers, const NonTensorState& state, bool replace_step) {
   if (buffers.size() != layout.buffers.size())
     fail(ErrorCode::kInvalidArgument, "save_native_all_ranks: ", buffers.size(), " buffer pointers for a layout of ",
          layout.buffers.size(), " buffers");
-  native::save_all_ranks_with(root, step, layout, state, [&](int) { return buffers; });
+  native::save_all_ranks_with(root, step, layout, state, [&](int) { return buffers; }, replace_step);
 }
 
 }  // namespace reshard
