@@ -53,6 +53,42 @@ int64_t ModelConfig::padded_vocab(int tp) const {
   return (vocab + m - 1) / m * m;
 }
 
+void ModelConfig::check_sizes(int64_t padded, const std::string& where) const {
+  // Counted in 128 bits so that no product can wrap before it is compared with the limits.
+  using Big = __int128;
+  auto text = [](Big n) {
+    std::string t;
+    do {
+      t.insert(t.begin(), char('0' + int(n % 10)));
+      n /= 10;
+    } while (n > 0);
+    return t;
+  };
+  auto refuse = [&](const char* what, Big n, Big limit) {
+    fail(ErrorCode::kInvalidArgument, "model '", name, "'", where, ": ", what, " = ", text(n), " exceeds the limit of ",
+         text(limit),
+         " (reshard's declared model limits, include/reshard/model.h: every element and byte count must fit in "
+         "int64 with room for the optimizer state)");
+  };
+  if (num_layers > kMaxModelLayers) refuse("num_layers", num_layers, kMaxModelLayers);
+  if (vocab > kMaxModelParameters) refuse("vocab", vocab, kMaxModelParameters);
+  if (max_position_embeddings > kMaxModelParameters)
+    refuse("max_position_embeddings", max_position_embeddings, kMaxModelParameters);
+  const Big H = hidden, F = ffn, hn = hidden / heads, ng = groups();
+  const Big q = heads / ng;
+  const Big Vp = padded;
+  const Big emb = Vp * H;
+  const Big qkv = ng * (q + 2) * hn * H;
+  const Big up = (swiglu ? 2 : 1) * F * H;
+  const Big per_layer = qkv + H * H + up + F * H + 8 * H + (swiglu ? 2 : 1) * F + ng * (q + 2) * hn;
+  const Big total = emb * (tied_embeddings ? 1 : 2) + Big(max_position_embeddings) * H + per_layer * num_layers + 2 * H;
+  const Big limit = kMaxModelParameters;
+  if (emb > limit) refuse("the word embedding's elements (padded vocab x hidden)", emb, limit);
+  if (qkv > limit) refuse("a fused QKV weight's elements", qkv, limit);
+  if (up > limit) refuse("an MLP weight's elements (ffn x hidden)", up, limit);
+  if (total > limit) refuse("the model's parameters", total, limit);
+}
+
 void ModelConfig::validate() const {
   auto positive = [&](const char* field, int64_t v) {
     if (v <= 0)
@@ -85,6 +121,10 @@ void ModelConfig::validate() const {
       qkv_order != "unknown")
     fail(ErrorCode::kInvalidArgument, "model '", name, "': field qkv_order='", qkv_order,
          "' must be interleaved, blocked or v1 (or left out: from qkv_version)");
+  if (vocab > kMaxModelParameters)  // before padded_vocab, which must not overflow
+    fail(ErrorCode::kInvalidArgument, "model '", name, "': field vocab=", vocab, " exceeds the limit of ",
+         kMaxModelParameters, " (reshard's declared model limits, include/reshard/model.h)");
+  check_sizes(padded_vocab(1), "");
   if (groups() != heads && (qkv_layout() == QkvOrder::kPerHeadV1 || (qkv_order.empty() && qkv_version < 2.0)))
     fail(ErrorCode::kInvalidArgument, "model '", name, "': qkv_version=", qkv_version,
          " (rows [3,np,hn] or [np,hn,3]) exists only for multi-head attention, but query_groups=",
@@ -115,6 +155,10 @@ void ModelConfig::validate_for(int tp, int pp, int vpp, bool even_stages) const 
       fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit tp=", tp, ": ", what, "=", n,
            " is not divisible by tp");
   };
+  if (tp <= 0 || int64_t(vocab_divisible_by) * tp > kMaxModelParameters)
+    fail(ErrorCode::kInvalidArgument, "model '", name, "' does not fit tp=", tp, ": tp must be > 0 and vocab_divisible_by x tp "
+         "within the model limits");
+  check_sizes(padded_vocab(tp), " at tp=" + std::to_string(tp));
   divides("heads", heads);
   divides("ffn", ffn);
   divides("hidden", hidden);
@@ -140,6 +184,31 @@ void ModelConfig::validate_for(int tp, int pp, int vpp, bool even_stages) const 
          " (reshard's own split of the layers is uniform; give an uneven one: the CLI's --target-stages "
          "2,1,1 (layers per stage); the Megatron-DeepSpeed hook takes it from the engine, "
          "build_layout(stages=...) and DeriveOptions::stage_of_layer from their caller)");
+}
+
+std::string model_differences(const ModelConfig& a, const ModelConfig& b) {
+  std::string out;
+  auto cmp = [&](const char* field, const std::string& x, const std::string& y) {
+    if (x != y) out += std::string(out.empty() ? "" : "; ") + field + " " + x + " vs " + y;
+  };
+  auto n = [](int64_t v) { return std::to_string(v); };
+  auto t = [](bool v) { return std::string(v ? "true" : "false"); };
+  cmp("num_layers", n(a.num_layers), n(b.num_layers));
+  cmp("hidden", n(a.hidden), n(b.hidden));
+  cmp("ffn", n(a.ffn), n(b.ffn));
+  cmp("heads", n(a.heads), n(b.heads));
+  cmp("query_groups", n(a.groups()), n(b.groups()));
+  cmp("vocab", n(a.vocab), n(b.vocab));
+  cmp("vocab_divisible_by", n(a.vocab_divisible_by), n(b.vocab_divisible_by));
+  cmp("max_position_embeddings", n(a.max_position_embeddings), n(b.max_position_embeddings));
+  cmp("swiglu", t(a.swiglu), t(b.swiglu));
+  cmp("tied_embeddings", t(a.tied_embeddings), t(b.tied_embeddings));
+  cmp("bias", t(a.bias), t(b.bias));
+  cmp("norm", a.norm, b.norm);
+  cmp("param_dtype", dtype_name(a.param_dtype), dtype_name(b.param_dtype));
+  if (!b.qkv_order.empty() && a.qkv_order_known() && b.qkv_order_known())
+    cmp("qkv_order", qkv_order_name(a.qkv_layout()), qkv_order_name(b.qkv_layout()));
+  return out;
 }
 
 std::vector<LayoutRule> default_gpt_rules(const ModelConfig& cfg) {
@@ -217,6 +286,8 @@ void classify_tensors(const ModelConfig& cfg, std::vector<TensorSpec>& specs,
 
 std::vector<TensorSpec> model_tensors(const ModelConfig& cfg, int tp) {
   cfg.validate();
+  if (tp <= 0) fail(ErrorCode::kInvalidArgument, "model '", cfg.name, "': tp=", tp, " must be > 0");
+  cfg.check_sizes(cfg.padded_vocab(tp), " at tp=" + std::to_string(tp));
   const int64_t H = cfg.hidden, F = cfg.ffn, hn = cfg.head_dim(), ng = cfg.groups();
   const int64_t q = cfg.heads / ng;
   const int64_t qkv_rows = ng * (q + 2) * hn;

@@ -70,6 +70,16 @@ struct LayoutRule {
   Reduction reduction = Reduction::kReplicated;
 };
 
+/// Declared model limits, checked by ModelConfig::validate before any plan or write: at most
+/// 2^44 parameters in all (about 17.6 trillion, ten times the largest dense models published;
+/// each tensor, padded vocab included, within that) and 16384 layers. With them every element
+/// count, and every byte count of the weights and the fp32 optimizer state (at most 16 bytes per
+/// parameter), fits int64 with room to spare, and a metadata-only plan stays within a few hundred
+/// MB (its fragments are cut to the memory budget: a 2^44-parameter model at the default 1 GiB
+/// planned in 0.34 GB). A config beyond them is refused naming the field or tensor.
+inline constexpr int64_t kMaxModelParameters = int64_t(1) << 44;
+inline constexpr int kMaxModelLayers = 16384;
+
 struct ModelConfig {
   std::string name;
   int num_layers = 0;
@@ -104,8 +114,13 @@ struct ModelConfig {
   /// Padded vocab at tensor parallel size tp: the smallest multiple of vocab_divisible_by*tp
   /// that is >= vocab [Megatron tokenizer.py _vocab_size_with_padding].
   int64_t padded_vocab(int tp) const;
-  /// Field checks. Throws Error(kInvalidArgument) naming the field and the rule.
+  /// Field checks, the declared size limits included (kMaxModelParameters, kMaxModelLayers).
+  /// Throws Error(kInvalidArgument) naming the field and the rule.
   void validate() const;
+  /// The size limits at a padded vocab (validate: tp=1; validate_for: the topology's tp).
+  /// Throws Error(kInvalidArgument) naming the count that exceeds its limit; `where` is appended
+  /// to the model's name in the message (e.g. " at tp=8").
+  void check_sizes(int64_t padded_vocab_rows, const std::string& where) const;
   /// Checks that the model fits a topology: tp divides heads, groups, ffn, hidden (row split);
   /// tp > groups needs a variant other than refuse; with `even_stages`, pp*vpp <= layers and
   /// divides them (the uniform split reshard derives itself). A trainer that gives its own stage of
@@ -113,6 +128,13 @@ struct ModelConfig {
   /// even_stages=false. Throws Error(kInvalidArgument) naming the field and the rule.
   void validate_for(int tp, int pp, int vpp, bool even_stages = true) const;
 };
+
+/// The fields on which two descriptions of one model disagree, as "hidden 4 vs 8; swiglu false
+/// vs true" (first `a`, then `b`), or "" when they agree on everything that decides tensor shapes,
+/// cuts and dtypes: num_layers, hidden, ffn, heads, query groups, vocab, vocab_divisible_by,
+/// max_position_embeddings, swiglu, tied_embeddings, bias, norm, param_dtype and the QKV row order
+/// (compared only where `b` states qkv_order and neither is "unknown"). The name is not compared.
+std::string model_differences(const ModelConfig& a, const ModelConfig& b);
 
 struct TensorSpec {
   std::string name;

@@ -678,3 +678,87 @@ TEST(PartialSum, TpChangeIsRefusedNotCopied) {
 
 }  // namespace
 }  // namespace reshard
+
+namespace reshard {
+namespace {
+
+ModelConfig small_config() {
+  ModelConfig m;
+  m.name = "m";
+  m.num_layers = 1;
+  m.hidden = 4;
+  m.ffn = 8;
+  m.heads = 4;
+  m.vocab = 10;
+  m.vocab_divisible_by = 1;
+  return m;
+}
+
+std::string validate_error(const ModelConfig& m, int tp = 0) {
+  try {
+    if (tp > 0)
+      m.validate_for(tp, 1, 1);
+    else
+      m.validate();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  return "";
+}
+
+// A model whose counts do not fit int64 used to be planned (2520 bytes to read for a 2^64-element
+// embedding) and synthesised; one of 2^60-element matrices made plan allocate without bound.
+TEST(ModelLimits, CountsBeyondTheDeclaredLimitsAreRefusedNamingTheCount) {
+  ModelConfig m = small_config();
+  EXPECT_EQ(validate_error(m), "");
+  m.vocab = int64_t(1) << 62;
+  EXPECT_NE(validate_error(m).find("field vocab=4611686018427387904 exceeds the limit of 17592186044416"),
+            std::string::npos);
+  m.vocab = INT64_MAX;  // padded_vocab would overflow: checked before it is computed
+  EXPECT_NE(validate_error(m).find("field vocab=9223372036854775807"), std::string::npos);
+  m = small_config();
+  m.hidden = m.ffn = 1 << 30;
+  m.heads = 1;
+  EXPECT_NE(validate_error(m).find("a fused QKV weight's elements = 3458764513820540928"), std::string::npos);
+  m = small_config();
+  m.num_layers = kMaxModelLayers + 1;
+  EXPECT_NE(validate_error(m).find("num_layers = 16385 exceeds the limit of 16384"), std::string::npos);
+  // The limit itself: parameters summed over every tensor (untied head counted).
+  m = small_config();
+  m.hidden = 4;
+  m.heads = 4;
+  m.ffn = 4;
+  m.bias = false;
+  m.vocab = (int64_t(1) << 41) - 1024;  // 2 x 4 x vocab = 2^44 - 8192, plus one small layer and norms
+  EXPECT_EQ(validate_error(m), "");
+  m.vocab = int64_t(1) << 41;
+  EXPECT_NE(validate_error(m).find("the model's parameters = "), std::string::npos);
+  // At a topology: the vocab padded for tp is checked again.
+  m.vocab = (int64_t(1) << 41) - (int64_t(1) << 31);
+  m.vocab_divisible_by = 1 << 30;
+  EXPECT_EQ(validate_error(m, 1), "");
+  EXPECT_NE(validate_error(m, 4).find("model 'm' at tp=4: the model's parameters = "), std::string::npos);
+  EXPECT_THROW(model_tensors(m, 4), Error);
+}
+
+TEST(ModelLimits, ModelDifferencesNamesEveryFieldThatDecidesShapesAndCuts) {
+  ModelConfig a = small_config(), b = small_config();
+  b.name = "other";
+  EXPECT_EQ(model_differences(a, b), "");
+  b.hidden = 8;
+  b.swiglu = true;
+  b.param_dtype = DType::F32;
+  EXPECT_EQ(model_differences(a, b), "hidden 4 vs 8; swiglu false vs true; param_dtype BF16 vs F32");
+  b = small_config();
+  b.query_groups = 2;
+  b.qkv_order = "blocked";
+  EXPECT_EQ(model_differences(a, b), "query_groups 4 vs 2; qkv_order interleaved vs blocked");
+  // A qkv order only one side states is not a contradiction (a model file that leaves it out).
+  a.qkv_order = "blocked";
+  b = small_config();
+  EXPECT_EQ(model_differences(a, b), "");
+}
+
+}  // namespace
+}  // namespace reshard
