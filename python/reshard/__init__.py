@@ -181,8 +181,9 @@ def open_checkpoint(path: str, *, step: Optional[Union[str, int]] = None, model:
 
     ``step``: None = the step ``latest`` names; else a folder name ("global_step20", "step-20") or
     number. A missing step is an error, never a fallback. ``model``: a model YAML file for formats
-    that do not record the model (DeepSpeed); native checkpoints record theirs, and a ``model``
-    given for one is not used (the checkpoint's notes say so).
+    that do not record the model (DeepSpeed; it must agree with the trainer's ``args`` recorded
+    there); native checkpoints record theirs, and a ``model`` given for one must describe the same
+    model (InvalidArgument naming each field that differs, e.g. "hidden 4 vs 8").
 
     Raises NotFound (path, step), InvalidArgument (a file, an empty or unrecognised folder),
     DataLoss (corrupt metadata), Unsupported (a format or version this build cannot read).

@@ -7,6 +7,7 @@
 #include "formats/native/native_internal.h"
 #include "io/file.h"
 #include "reshard/checkpoint.h"
+#include "reshard/config.h"
 #include "reshard/error.h"
 #include "reshard/native.h"
 
@@ -93,9 +94,20 @@ std::string resolve_step(const std::string& root, const std::string& asked, cons
 std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOptions& opt,
                                             std::vector<std::string> notes) {
   if (is_native_step(dir)) {
-    if (!opt.model_path.empty())
-      notes.push_back("the model file " + opt.model_path + " is not used: native checkpoints record their model");
-    return open_native(dir, std::move(notes));
+    if (opt.model_path.empty()) return open_native(dir, std::move(notes));
+    // A native step records its model; a model file given too must describe the same model,
+    // or the caller believes in shapes and cuts the load does not use (DeepSpeed sources refuse
+    // the same contradiction against the trainer's `args`).
+    const ModelConfig given = load_model_config(opt.model_path);
+    notes.push_back("the model file " + opt.model_path + " agrees with the model the checkpoint records");
+    auto reader = open_native(dir, std::move(notes));
+    const std::string differ = model_differences(reader->source().layout.model, given);
+    if (!differ.empty())
+      fail(ErrorCode::kInvalidArgument, io::join(dir, native::kMetadataFile), ": the model file ", opt.model_path,
+           " disagrees with the model this checkpoint records (recorded vs model file): ", differ,
+           ". A native checkpoint's own record decides its shapes and cuts; leave the model file out, or give the one "
+           "it was saved with");
+    return reader;
   }
   if (is_deepspeed_step(dir)) return open_deepspeed(dir, opt);
   const std::string meta = io::join(dir, native::kMetadataFile);
