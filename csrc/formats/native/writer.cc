@@ -26,12 +26,6 @@
 namespace reshard {
 namespace native {
 
-std::string rank_file_name(int rank) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "rank_%05d.safetensors", rank);
-  return buf;
-}
-
 // A step name is a folder name that `latest` can hold on one line and readers find again as
 // written: printable ASCII without spaces (a trailing space or newline was saved, then not found
 // when `latest` was read back trimmed).
@@ -53,23 +47,6 @@ std::string quoted_cut(const std::string& v) {
 std::string xxh3_hex(const void* data, size_t bytes) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits(data, bytes));
-  return buf;
-}
-
-Xxh3Stream::Xxh3Stream() : state_(XXH3_createState()) {
-  if (!state_) throw std::bad_alloc();
-  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
-}
-
-Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
-
-void Xxh3Stream::update(const void* data, size_t bytes) {
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
-}
-
-std::string Xxh3Stream::hex() const {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_)));
   return buf;
 }
 
