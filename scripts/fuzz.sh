@@ -6,12 +6,19 @@
 #                                             fuzz_safetensors fuzz_metadata
 #   PARALLEL=2   targets run at once (one core each); OUT=fuzz_out   corpora, logs, artifacts
 #
-# Needs clang 14 and its runtimes (Debian: apt-get install clang-14 libclang-rt-14-dev; the
-# `clang`/`clang++` names come from the `clang` package), the .venv with torch (zip/pickle seeds)
-# and the reshard Python extension (safetensors/metadata seeds: synth checkpoints).
+# Needs clang and its libFuzzer runtime, the .venv with torch (zip/pickle seeds) and the reshard
+# Python extension (safetensors/metadata seeds: synth checkpoints). Where clang or the extension
+# is missing it runs the setup first with RESHARD_SETUP_FUZZ=1, which adds Debian's clang and
+# libclang-rt-dev to the packages it installs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+need_setup=0
+command -v "${CXX:-clang++}" >/dev/null || need_setup=1
+compgen -G "python/reshard/_C*.so" >/dev/null || need_setup=1
+if [[ $need_setup == 1 ]]; then
+  RESHARD_SETUP_FUZZ=1 bash scripts/setup.sh || { echo "fuzz: setup failed"; exit 2; }
+fi
 SECS=${1:-600}
 shift || true
 TARGETS=("$@")

@@ -3,6 +3,7 @@
 # rebuilds what changed. Debian 12 or 13 (OpenMPI 4 or 5), Python 3.11 with the local
 # torch==2.13.0 CPU wheel.
 #   RESHARD_SKIP_APT=1     skip apt-get (packages already there)
+#   RESHARD_SETUP_FUZZ=1   also install clang and its libFuzzer runtime (scripts/fuzz.sh)
 #   RESHARD_BUILD_TYPE=... CMake build type (default Release)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,8 @@ ROOT=$(pwd)
 APT_PACKAGES=(build-essential cmake pkg-config openmpi-bin libopenmpi-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libsimdjson-dev libcli11-dev libxxhash-dev zlib1g-dev libdeflate-dev
   fortunes-min fortunes)
+# libFuzzer needs clang; only scripts/fuzz.sh asks for it.
+[[ "${RESHARD_SETUP_FUZZ:-0}" == 1 ]] && APT_PACKAGES+=(clang libclang-rt-dev)
 
 need_apt=0
 for p in "${APT_PACKAGES[@]}"; do

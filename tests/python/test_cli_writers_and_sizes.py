@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI = ROOT / "build" / "bin" / "reshard"
+CLI = Path(os.environ.get("RESHARD_CLI", ROOT / "build" / "bin" / "reshard"))
 
 pytestmark = pytest.mark.skipif(not CLI.exists(), reason="build/bin/reshard not built (run scripts/setup.sh)")
 
