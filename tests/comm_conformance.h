@@ -44,6 +44,7 @@ inline void fill_pattern(uint8_t* p, uint64_t n, int src, int dst, uint64_t roun
 
 /// Index of the first differing byte, or -1.
 inline int64_t first_diff(const uint8_t* a, const uint8_t* b, uint64_t n) {
+  if (n == 0) return -1;  // an empty vector's data() may be null, which memcmp must not get
   if (std::memcmp(a, b, n) == 0) return -1;
   for (uint64_t i = 0; i < n; ++i)
     if (a[i] != b[i]) return int64_t(i);

@@ -1,6 +1,7 @@
 #include "reshard/layout.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -53,7 +54,13 @@ bool Box::operator<(const Box& o) const {
 std::string Box::to_string() const {
   std::ostringstream os;
   os << "[";
-  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << off[d] << ":" << off[d] + len[d];
+  // The end in 128 bits: boxes read from a damaged file are printed before they are checked.
+  for (int d = 0; d < ndim; ++d) {
+    const __int128 end = __int128(off[d]) + len[d];
+    os << (d ? ", " : "") << off[d] << ":";
+    if (end > INT64_MAX || end < INT64_MIN) os << off[d] << "+" << len[d];
+    else os << int64_t(end);
+  }
   os << "]";
   return os.str();
 }
