@@ -645,7 +645,7 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         cfg.validate()
-        assert cfg.tp == 1 and cfg.pp == 1, "the non-pipeline model is used with tp=1, pp=1 only"
+        assert cfg.pp == 1, "the non-pipeline model runs one pipeline stage"
         self.gpt_config = cfg
         self.language_model = _LanguageModel(cfg)
 
@@ -679,7 +679,7 @@ class GPTModel(nn.Module):
 
 
 def gpt_universal_checkpoint_info(cfg: GPTConfig) -> dict:
-    """Regex lists for the non-pipeline names (TP is 1 here, so only the vocab stripping matters)."""
+    """Regex lists of the non-pipeline (GPTModel) names for Universal Checkpointing."""
     pre = r"language_model.encoder.layers.\d+"
     vocab = [r"language_model.embedding.word_embeddings.weight"]
     if not cfg.tied:

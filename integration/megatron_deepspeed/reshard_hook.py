@@ -4,7 +4,9 @@ into the live DeepSpeed engine in place, and save the live engine in reshard's n
     iteration, consumed, report = reshard_load(engine, args, "/ckpt", step=None,
                                                policies={"replicas": "error"})
 
-What is filled (ZeRO-1 PipelineEngine, torch AdamW):
+What is filled (torch AdamW): the PipelineEngine with ZeRO-1 or BF16_Optimizer, and the plain
+DeepSpeedEngine of ``--no-pipeline`` (GPTModel) with ZeRO-1, ZeRO-2 or ZeRO-3 (there the weights
+are each rank's ZeRO-3 partitions, ``param.ds_tensor``; reshard.megatron.EngineView):
   * module weights (the 16-bit/bit16 copies DeepSpeed keeps in its flat groups; fp32 runs keep
     float32 there), from the checkpoint's weights, via canonical names (include/reshard/model.h);
   * the ZeRO optimizer's flat fp32 partitions (engine.optimizer.single_partition_of_fp32_groups),
@@ -92,13 +94,13 @@ def canonical_name(live: str, cfg: M.GPTConfig) -> str:
 def LiveState(engine, cfg: M.GPTConfig) -> RM.EngineView:
     """This rank's view of the reference trainer's live engine (reshard.megatron.EngineView), with
     ranks from the PipelineEngine's grid and the model's own tensor-parallel rank. Collective."""
-    # The trainer's --no-pipeline engine (a plain DeepSpeedEngine, the only one that runs ZeRO-2/3
-    # here) has no grid: refused by name (it raised AttributeError: session 13 tester).
     if not hasattr(engine, "grid"):
-        raise reshard.Unsupported(
-            f"reshard_load fills the ZeRO-1 PipelineEngine's state (the trainer without --no-pipeline); this "
-            f"engine is a {type(engine).__name__} (ZeRO stage {engine.zero_optimization_stage()}), which the hook "
-            f"does not map: load such an engine with reshard.load and its own tensors, or run the PipelineEngine")
+        # The trainer's --no-pipeline engine: a plain DeepSpeedEngine on GPTModel (ZeRO 1-3), one
+        # pipeline stage, ranks ordered rank = dp_rank * tp + tp_rank.
+        rank = dist.get_rank()
+        return RM.EngineView(engine, model_config_dict(cfg), tp=cfg.tp, pp=1, dp=cfg.dp, stage=0,
+                             dp_rank=rank // cfg.tp, tp_rank=rank % cfg.tp,
+                             canonical=lambda n: RM.plain_canonical_name(n, cfg.num_layers))
     grid = engine.grid
     return RM.EngineView(engine, model_config_dict(cfg), tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, stage=grid.get_stage_id(),
                          dp_rank=grid.get_data_parallel_id(), tp_rank=M.TP.rank,
@@ -135,7 +137,7 @@ def reshard_save(engine, args, root: str, step: str, iteration: int, consumed: i
     cfg = engine.module.gpt_config
     live = LiveState(engine, cfg)
     layout = live.layout(for_save=True)
-    tensors, created = live.buffers(layout, create_missing_state=True)
+    tensors, created = live.buffers(layout, create_missing_state=True, for_save=True)
     state = {"iteration": int(iteration), "consumed_samples": int(consumed), "step": live.optimizer_step(),
              "json": json.dumps(_global_json(engine, live.zopt, args)), "per_rank": {}}
     blobs: List[bytes] = [None] * live.world
@@ -193,9 +195,11 @@ def load_from_resume_config(engine, args, path: str) -> Tuple[int, int, dict]:
     t = rc["target_topology"]
     live = (cfg.tp, cfg.pp, cfg.dp)
     want = (t["tp"], t["pp"], t["dp"])
-    if want != live or t["vpp"] != 1 or t["zero"] not in (1, ):
+    zero = int(engine.zero_optimization_stage())
+    if want != live or t["vpp"] != 1 or t["zero"] != zero:
         raise reshard.InvalidArgument(
-            f"{path}: field target: {rc['target']} but this job runs tp={cfg.tp},pp={cfg.pp},vpp=1,dp={cfg.dp},zero=1; "
+            f"{path}: field target: {rc['target']} but this job runs tp={cfg.tp},pp={cfg.pp},vpp=1,dp={cfg.dp},"
+            f"zero={zero}; "
             "start the job with the layout the resume config names, or change the file")
     return reshard_load(engine, args, rc["checkpoint"], step=rc["step"] or None, policies=rc["policies"],
                         model=rc["model"] or None, verify=rc["verify"])

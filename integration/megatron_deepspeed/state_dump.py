@@ -25,11 +25,15 @@ def dump_engine(engine, path: str, extra: dict = None):
     from .reshard_hook import LiveState
     live = LiveState(engine, engine.module.gpt_config)
     d = {"stage": live.stage, "tp_rank": live.tp_rank, "dp_rank": live.dp_rank, "tp": live.tp, "pp": live.pp,
-         "dp": live.dp, "groups": live.groups, "dead": sorted(live.dead),
-         "weight": {k: p.detach().clone() for k, p in live.params.items()},
-         "fp32": [p.detach().clone() for p in live.zopt.single_partition_of_fp32_groups],
+         "dp": live.dp, "zero": live.zero, "groups": live.groups, "dead": sorted(live.dead),
+         "fp32": [p.detach().clone() for p in live.fp32_partitions],
          "exp_avg": [], "exp_avg_sq": [], "step": []}
-    for part in live.zopt.single_partition_of_fp32_groups:
+    if live.zero == 3:  # this rank's partition of each weight, and the weights' shapes
+        d["weight_parts"] = {k: live.weight_tensor(k).detach().clone() for k in live.params}
+        d["weight"] = {k: torch.empty(tuple(p.ds_shape), dtype=p.ds_tensor.dtype) for k, p in live.params.items()}
+    else:
+        d["weight"] = {k: p.detach().clone() for k, p in live.params.items()}
+    for part in live.fp32_partitions:
         st = live.torch_opt.state.get(part, {})
         d["exp_avg"].append(st["exp_avg"].clone() if "exp_avg" in st else None)
         d["exp_avg_sq"].append(st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None)
@@ -59,7 +63,14 @@ def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
     # Per (kind, name, stage, tp_rank): the tp-local tensor (weights: as is; states: gathered over dp).
     local = {}
     for d in dumps:
-        if d["dp_rank"] == 0:
+        if d.get("zero") == 3:  # weights: the dp ranks' partitions side by side, padding cut
+            if d["dp_rank"] == 0:
+                for name, w in d["weight"].items():
+                    parts = sorted((e for e in dumps if e["stage"] == d["stage"] and e["tp_rank"] == d["tp_rank"]),
+                                   key=lambda e: e["dp_rank"])
+                    flat = torch.cat([e["weight_parts"][name] for e in parts])[:w.numel()]
+                    local[("weight", name, d["stage"], d["tp_rank"])] = flat.float().reshape(w.shape)
+        elif d["dp_rank"] == 0:
             for name, w in d["weight"].items():
                 if name in d["dead"] and not include_dead:
                     continue
@@ -79,6 +90,11 @@ def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
                     key = (kind, name, d["stage"], d["tp_rank"])
                     if key not in local:
                         local[key] = torch.full((n, ), float("nan"))
+                    if d.get("zero") == 3:  # elements [r*q, (r+1)*q) of the tensor, at off in the partition
+                        q = -(-n // d["dp"])
+                        lo, hi = min(n, d["dp_rank"] * q), min(n, (d["dp_rank"] + 1) * q)
+                        local[key][lo:hi] = part[off:off + hi - lo].float()
+                        continue
                     lo, hi = max(off, lo_p), min(off + n, lo_p + P)
                     if lo < hi:
                         local[key][lo - off:hi - off] = part[lo - lo_p:hi - lo_p].float()
@@ -135,9 +151,9 @@ def scramble(engine):
     from .reshard_hook import LiveState
     live = LiveState(engine, engine.module.gpt_config)
     with torch.no_grad():
-        for p in live.params.values():
-            p.data.fill_(float("nan"))
-        for part in live.zopt.single_partition_of_fp32_groups:
+        for k, p in live.params.items():
+            live.weight_tensor(k).fill_(float("nan"))
+        for part in live.fp32_partitions:
             part.data.fill_(float("nan"))
             st = live.torch_opt.state.get(part, {})
             for k in ("exp_avg", "exp_avg_sq"):

@@ -148,7 +148,7 @@ def build_parser():
     g.add_argument("--dp", type=int, default=None, help="default: world_size / (tp*pp)")
     g.add_argument("--zero", type=int, default=1, help="ZeRO stage (pipeline: 0 or 1; --no-pipeline: 0..3)")
     g.add_argument("--no-pipeline", action="store_true",
-                   help="plain DeepSpeed engine on the non-pipeline GPTModel (tp=pp=1)")
+                   help="plain DeepSpeed engine on the non-pipeline GPTModel (pp=1, any tp)")
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, default=64)
@@ -345,7 +345,8 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = config_from_args(args, world)
     if args.no_pipeline:
-        assert cfg.tp == 1 and cfg.pp == 1, "--no-pipeline supports tp=1, pp=1"
+        if cfg.pp != 1:
+            raise SystemExit("--no-pipeline runs one pipeline stage (pp=1); tp and dp are free")
     elif args.zero > 1:
         raise SystemExit("DeepSpeed's PipelineEngine supports ZeRO stage 0/1 only; use --no-pipeline")
     mb, dp = args.micro_batch, cfg.dp
@@ -359,11 +360,18 @@ def main(argv=None):
 
     data = FortuneData(cfg.seq_length, args.seed)
 
+    mpu = None
     if args.no_pipeline:
-        M.init_tensor_parallel(None)
+        # One stage; DeepSpeed's grid over the same topology is the engine's mpu, so ZeRO partitions
+        # over the data-parallel group of each tp rank (rank = dp_rank * tp + tp_rank).
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+        topo = PipeModelDataParallelTopology(num_pp=1, num_mp=cfg.tp, num_dp=cfg.dp)
+        M.init_tensor_parallel(topo)
         net = M.GPTModel(cfg)
         uc_info = M.gpt_universal_checkpoint_info(cfg)
-        dp_rank = rank
+        dp_rank = topo.get_coord(rank).data
+        if cfg.tp > 1:
+            mpu = PipelineParallelGrid(topology=topo)
     else:
         topo = PipeModelDataParallelTopology(num_pp=cfg.pp, num_mp=cfg.tp, num_dp=cfg.dp)
         M.init_tensor_parallel(topo)
@@ -373,7 +381,7 @@ def main(argv=None):
 
     groups = M.get_param_groups(net, args.weight_decay)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=ds_config(args, gas))
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=ds_config(args, gas), mpu=mpu)
 
     iteration, consumed = 0, 0
     if args.load:
@@ -399,8 +407,8 @@ def main(argv=None):
                 engine.step()
                 total += float(loss.detach())
             lt = torch.tensor([total / gas], dtype=torch.float64)
-            dist.all_reduce(lt)
-            loss_val = float(lt) / dp
+            dist.all_reduce(lt)  # every tp rank of a dp rank holds the same loss
+            loss_val = float(lt) / world
         else:
             loss = engine.train_batch(data_iter=iter(batches))
             loss_val = float(loss.detach().double()) if torch.is_tensor(loss) else float(loss)

@@ -242,20 +242,37 @@ class _Bf16OptimizerView:
         self.parallel_partitioned_bit16_groups = opt.bf16_partitioned_groups
 
 
+def _is_stage3(zopt) -> bool:
+    return all(hasattr(zopt, a) for a in ("fp16_groups", "fp16_partitioned_groups_flat",
+                                          "fp32_partitioned_groups_flat", "sub_group_to_group_id"))
+
+
 def _zero_optimizer(engine):
+    """The engine's ZeRO optimizer, or its BF16_Optimizer under DeepSpeedZeroOptimizer's names.
+    Raises Unsupported for what the view does not map (named: the optimizer's type and stage)."""
     zopt = engine.optimizer
+    stage = engine.zero_optimization_stage()
     if all(hasattr(zopt, a) for a in ("bf16_groups", "bf16_groups_flat", "fp32_groups_flat_partition",
                                       "bf16_partitioned_groups")):
         return _Bf16OptimizerView(zopt)
+    if stage == 3 and _is_stage3(zopt):
+        if getattr(zopt, "offload_optimizer", False) or getattr(zopt, "offload_param", False):
+            raise reshard.Unsupported(
+                "ZeRO-3 with offload_optimizer / offload_param: reshard fills the partitions a ZeRO-3 engine keeps "
+                "on its own device; start the job without offload to load, or load with DeepSpeed at the same layout")
+        if any(f is None for f in zopt.fp16_partitioned_groups_flat):
+            raise reshard.Unsupported("ZeRO-3 with parameters on NVMe (a sub-group without a flat buffer) is not "
+                                      "filled by reshard")
+        return zopt
     needed = ("bit16_groups", "bit16_groups_flat", "single_partition_of_fp32_groups")
-    if not all(hasattr(zopt, a) for a in needed):
+    if not all(hasattr(zopt, a) for a in needed) or stage not in (1, 2):
         raise reshard.Unsupported(
-            f"reshard fills DeepSpeed's ZeRO-1 optimizer (DeepSpeedZeroOptimizer) and BF16_Optimizer; this "
-            f"engine's optimizer is "
-            f"{type(zopt).__name__} (ZeRO stage {engine.zero_optimization_stage()}, bf16 {engine.bfloat16_enabled()})")
-    if engine.zero_optimization_stage() != 1:
-        raise reshard.Unsupported(f"ZeRO stage {engine.zero_optimization_stage()}: reshard fills the live ZeRO-1 "
-                                  "optimizer (and BF16_Optimizer); load other stages with reshard.load and their tensors")
+            f"reshard fills DeepSpeed's ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer), ZeRO-3 "
+            f"(DeepSpeedZeroOptimizer_Stage3) and BF16_Optimizer; this engine's optimizer is "
+            f"{type(zopt).__name__} (ZeRO stage {stage}, bf16 {engine.bfloat16_enabled()})")
+    if getattr(zopt, "cpu_offload", False):
+        raise reshard.Unsupported(f"ZeRO-{stage} with offload_optimizer: reshard fills the fp32 partitions an "
+                                  "engine keeps on its own device; start the job without offload to load")
     return zopt
 
 
@@ -284,41 +301,143 @@ class EngineView:
         if expect != self.rank:
             raise reshard.Unsupported(f"[rank {self.rank}] parallel grid (stage {stage}, dp {dp_rank}, tp {tp_rank}) does "
                                       f"not follow rank = (pp*dp + d)*tp + t = {expect}, the order reshard's layouts use")
-        self.topology = f"tp={self.tp},pp={self.pp},dp={self.dp},zero=1"
+        self.zero = 3 if _is_stage3(self.zopt) else (2 if engine.zero_optimization_stage() == 2 else 1)
+        self.topology = f"tp={self.tp},pp={self.pp},dp={self.dp},zero={self.zero}"
         names = {id(p): n for n, p in engine.module.named_parameters()}
         self.params: Dict[str, torch.nn.Parameter] = {}  # canonical -> live parameter
         self.dead = set()
         self.groups = []  # this shard's param groups: entries (canonical, offset, numel)
-        for g, params in enumerate(self.zopt.bit16_groups):
-            flat = self.zopt.bit16_groups_flat[g]
-            base, es = flat.data_ptr(), flat.element_size()
-            entries = []
-            for p in params:
-                live = names.get(id(p))
-                if live is None:
-                    raise reshard.Internal(f"[rank {self.rank}] optimizer group {g} holds a parameter the module does not name")
-                canon = canonical(live)
-                if canon in self.params:
-                    raise reshard.InvalidArgument(f"[rank {self.rank}] two live parameters map to {canon} (the second: {live})")
-                self.params[canon] = p
-                if dead is not None and dead(canon, self.stage):
-                    self.dead.add(canon)
-                off = (p.data_ptr() - base) // es
-                if not (0 <= off and off + p.numel() <= flat.numel()):
-                    raise reshard.Internal(f"[rank {self.rank}] {live} does not lie in its group's flat buffer")
-                entries.append((canon, int(off), int(p.numel())))
-            entries.sort(key=lambda e: e[1])
-            n = max([o + k for _, o, k in entries] or [0])
-            wd = float(self.torch_opt.param_groups[g].get("weight_decay", 0.0))
-            self.groups.append({"entries": entries, "numel": n,
-                                "partition_size": int(self.zopt.single_partition_of_fp32_groups[g].numel()),
-                                "no_weight_decay": wd == 0.0})
+        if self.zero == 3:
+            self._init_stage3(names, canonical, dead)
+        else:
+            self._init_flat(names, canonical, dead)
         self.model = reshard.model_config(model)
         mine = {"stage": self.stage, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank, "groups": self.groups,
                 "dead": sorted(self.dead)}
         everyone: List[dict] = [None] * self.world
         dist.all_gather_object(everyone, mine)
         self.everyone = everyone
+
+    def _name(self, names, p, g, canonical, dead) -> str:
+        live = names.get(id(p))
+        if live is None:
+            raise reshard.Internal(f"[rank {self.rank}] optimizer group {g} holds a parameter the module does not name")
+        canon = canonical(live)
+        if canon in self.params:
+            raise reshard.InvalidArgument(f"[rank {self.rank}] two live parameters map to {canon} (the second: {live})")
+        self.params[canon] = p
+        if dead is not None and dead(canon, self.stage):
+            self.dead.add(canon)
+        return canon
+
+    def _init_flat(self, names, canonical, dead) -> None:
+        """ZeRO-1/2 and BF16_Optimizer: each param group is one flat 16-bit buffer (bit16_groups_flat)
+        cut into dp equal partitions; this rank's fp32 copy of its partition is the parameter the
+        torch optimizer's state is keyed by (deepspeed/runtime/zero/stage_1_and_2.py)."""
+        self.fp32_partitions = list(self.zopt.single_partition_of_fp32_groups)
+        for g, params in enumerate(self.zopt.bit16_groups):
+            flat = self.zopt.bit16_groups_flat[g]
+            base, es = flat.data_ptr(), flat.element_size()
+            entries = []
+            for p in params:
+                canon = self._name(names, p, g, canonical, dead)
+                off = (p.data_ptr() - base) // es
+                if not (0 <= off and off + p.numel() <= flat.numel()):
+                    raise reshard.Internal(f"[rank {self.rank}] {names[id(p)]} does not lie in its group's flat buffer")
+                entries.append((canon, int(off), int(p.numel())))
+            entries.sort(key=lambda e: e[1])
+            n = max([o + k for _, o, k in entries] or [0])
+            wd = float(self.torch_opt.param_groups[g].get("weight_decay", 0.0))
+            self.groups.append({"entries": entries, "numel": n,
+                                "partition_size": int(self.fp32_partitions[g].numel()),
+                                "no_weight_decay": wd == 0.0})
+
+    def _init_stage3(self, names, canonical, dead) -> None:
+        """ZeRO-3 (DeepSpeedZeroOptimizer_Stage3, deepspeed/runtime/zero/stage3.py and
+        partition_parameters.py): every parameter is cut into dp equal partitions of
+        ceil(numel / dp) elements (``param.ds_tensor``, the last one padded); a sub-group's partitions
+        lie side by side in one flat 16-bit buffer (``fp16_partitioned_groups_flat``), whose fp32 copy
+        (``fp32_partitioned_groups_flat``) is the parameter the torch optimizer's state is keyed by.
+        Offsets are each ds_tensor's place in its flat buffer; the weight decay is the one of the
+        sub-group's param group (``sub_group_to_group_id``). A parameter held gathered (inside
+        GatheredParameters, or mid-forward) is refused: filling its partition would not reach the
+        gathered copy. Persistent parameters (kept gathered by design) are gathered again after the
+        load (:meth:`after_write`)."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        zopt = self.zopt
+        self.fp32_partitions = list(zopt.fp32_partitioned_groups_flat)
+        self.aliased = False  # fp32 training: the fp32 "copy" is the 16-bit flat buffer itself
+        self.ds_numel = {}
+        for g, params in enumerate(zopt.fp16_groups):
+            flat = zopt.fp16_partitioned_groups_flat[g]
+            base, es = flat.data_ptr(), flat.element_size()
+            if self.fp32_partitions[g].data_ptr() == base and self.fp32_partitions[g].numel():
+                self.aliased = True
+            entries = []
+            for p in params:
+                canon = self._name(names, p, g, canonical, dead)
+                live = names[id(p)]
+                if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False):
+                    raise reshard.FailedPrecondition(
+                        f"[rank {self.rank}] ZeRO-3 parameter {live} is gathered (inside deepspeed.zero."
+                        "GatheredParameters, or a forward is in progress); load before gathering it: its partition "
+                        "would be filled and the gathered copy left stale")
+                part, numel = p.ds_tensor, int(p.ds_numel)
+                if part.numel() != -(-numel // self.dp):
+                    raise reshard.Internal(f"[rank {self.rank}] {live}: its ZeRO-3 partition holds {part.numel()} "
+                                           f"elements, not ceil({numel} / dp {self.dp})")
+                off = (part.data_ptr() - base) // es
+                if not (0 <= off and off + part.numel() <= flat.numel()):
+                    raise reshard.Internal(f"[rank {self.rank}] {live}: its partition does not lie in sub-group {g}'s "
+                                           "flat buffer")
+                entries.append((canon, int(off), numel))
+                self.ds_numel[canon] = numel
+            entries.sort(key=lambda e: e[1])
+            pg = zopt.sub_group_to_group_id[g]
+            wd = float(self.torch_opt.param_groups[pg].get("weight_decay", 0.0))
+            self.groups.append({"entries": entries, "numel": sum(k for _, _, k in entries),
+                                "partition_size": int(self.fp32_partitions[g].numel()),
+                                "no_weight_decay": wd == 0.0})
+
+    def weight_tensor(self, canon: str) -> torch.Tensor:
+        """The live tensor that holds this rank's weights of ``canon``, flat: the module parameter
+        (ZeRO-1/2), or its ZeRO-3 partition (``ds_tensor``, ceil(numel / dp) elements)."""
+        p = self.params[canon]
+        return p.ds_tensor.data.view(-1) if self.zero == 3 else p.data.view(-1)
+
+    def before_write(self) -> None:
+        """Called after planning and pre-flight, before live tensors are written: nothing to do today."""
+
+    def after_write(self) -> None:
+        """After every tensor was written: ZeRO-3's persistent parameters (kept gathered) are released
+        and gathered again from their new partitions, and DeepSpeed's secondary (hpZ) partitions are
+        invalidated -- what DeepSpeed's own ZeRO-3 load does after it copies partitions
+        (stage3.py load_state_dict, checkpoint_event_epilogue). Collective."""
+        if self.zero != 3:
+            return
+        persistent = list(getattr(self.zopt, "persistent_parameters", []) or [])
+        if persistent:
+            persistent[0].partition(persistent)
+        self.zopt.checkpoint_event_epilogue()
+
+    def bit16_mismatches(self, scratch: Optional[Dict[str, torch.Tensor]] = None) -> int:
+        """Elements of this rank's 16-bit weights that differ from its fp32 master downcast (what
+        DeepSpeed's own step writes). ``scratch``: for an fp32 ZeRO-3 run (weights and master are one
+        buffer), the weights the load wrote aside, compared with the master's elements."""
+        n = 0
+        if self.zero == 3:
+            for g, params in enumerate(self.zopt.fp16_groups):
+                flat, master = self.zopt.fp16_partitioned_groups_flat[g], self.fp32_partitions[g]
+                if not self.aliased:
+                    n += int((flat.float() != master.data.to(flat.dtype).float()).sum())
+            for canon, w in (scratch or {}).items():
+                n += int((w != self.weight_tensor(canon)).sum())
+            return n
+        for g, part in enumerate(self.fp32_partitions):
+            mine = self.zopt.parallel_partitioned_bit16_groups[g][self.dp_rank]
+            lo = mine.numel()
+            n += int((mine.float() != part.data[:lo].to(mine.dtype).float()).sum())
+        return n
 
     def _recipe(self, include_dead: bool):
         slots = [None] * (self.pp * self.tp)
@@ -348,9 +467,12 @@ class EngineView:
         return reshard.build_layout(self.model, self.topology, stages=stages, groups=slots,
                                     weights_on_dp0_only=for_save)
 
-    def buffers(self, layout, create_missing_state: bool):
-        """{buffer name: live tensor} for this rank's buffers; optimizer state entries missing from
-        the torch optimizer are created as new tensors (returned separately, attached by the caller)."""
+    def buffers(self, layout, create_missing_state: bool, for_save: bool = False):
+        """({buffer name: live tensor} for this rank's buffers, created): optimizer state entries
+        missing from the torch optimizer are created as new tensors, keyed (group, kind) in
+        ``created`` and attached by the caller; an fp32 ZeRO-3 run's weights (the master's own
+        memory) get tensors aside, keyed ("weight", canonical), compared by :meth:`bit16_mismatches`
+        (``for_save``: copies of the live values)."""
         out, created = {}, {}
         for b in layout.buffers:
             if b["rank"] != self.rank:
@@ -358,13 +480,17 @@ class EngineView:
             name, kind = b["name"], b["state"]
             if kind == "weight":
                 canon = name[len("weight/"):]
-                p = self.params.get(canon)
-                if p is None:
+                if canon not in self.params:
                     raise reshard.Internal(f"[rank {self.rank}] layout buffer {name} has no live parameter")
-                out[name] = p.data.view(-1)
+                w = self.weight_tensor(canon)
+                if self.zero == 3 and self.aliased:
+                    # fp32 ZeRO-3: the weights are the master's memory; written aside, compared after.
+                    w = torch.empty_like(w) if not for_save else w.clone()
+                    created[("weight", canon)] = w
+                out[name] = w
                 continue
             g = b["group"]
-            part = self.zopt.single_partition_of_fp32_groups[g]
+            part = self.fp32_partitions[g]
             if kind == "fp32":
                 out[name] = part.data
                 continue
@@ -380,7 +506,7 @@ class EngineView:
 
     def optimizer_step(self) -> int:
         steps = set()
-        for part in self.zopt.single_partition_of_fp32_groups:
+        for part in self.fp32_partitions:
             st = self.torch_opt.state.get(part, {})
             if "step" in st:
                 s = st["step"]
@@ -465,8 +591,9 @@ def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policie
     report = reshard.load(ckpt, layout, tensors, comm=reshard.communicator(), policies=policies, verify=verify)
 
     # Only now, after every tensor was written: attach new state, set step and global state.
+    view.after_write()
     step_value = int(src_state["step"])
-    for g, part in enumerate(zopt.single_partition_of_fp32_groups):
+    for g, part in enumerate(view.fp32_partitions):
         st = opt.state[part]
         for (gg, kind), t in created.items():
             if gg == g:
@@ -500,12 +627,8 @@ def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policie
 
     # The module's 16-bit copy must be what the fp32 master gives (what DeepSpeed's own step
     # writes): compare this rank's partition of each flat bit16 group with its fp32 partition.
-    mismatched = 0
-    for g, part in enumerate(zopt.single_partition_of_fp32_groups):
-        mine = zopt.parallel_partitioned_bit16_groups[g][view.dp_rank]
-        lo = mine.numel()
-        mismatched += int((mine.float() != part.data[:lo].to(mine.dtype).float()).sum())
-    total_mismatch = all_reduce_int(mismatched)
+    aside = {k[1]: t for k, t in created.items() if k[0] == "weight"}
+    total_mismatch = all_reduce_int(view.bit16_mismatches(aside))
     report["bit16_check"] = ("module weights equal the fp32 master (downcast) on every rank" if total_mismatch == 0 else
                              f"{total_mismatch} module weight element(s) differ from the downcast fp32 master")
     report["rank_peak_rss_bytes"] = all_reduce_int(_peak_rss_bytes(), op="max")
