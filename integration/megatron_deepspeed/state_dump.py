@@ -65,9 +65,9 @@ def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
     for d in dumps:
         if d.get("zero") == 3:  # weights: the dp ranks' partitions side by side, padding cut
             if d["dp_rank"] == 0:
+                parts = sorted((e for e in dumps if e["stage"] == d["stage"] and e["tp_rank"] == d["tp_rank"]),
+                               key=lambda e: e["dp_rank"])
                 for name, w in d["weight"].items():
-                    parts = sorted((e for e in dumps if e["stage"] == d["stage"] and e["tp_rank"] == d["tp_rank"]),
-                                   key=lambda e: e["dp_rank"])
                     flat = torch.cat([e["weight_parts"][name] for e in parts])[:w.numel()]
                     local[("weight", name, d["stage"], d["tp_rank"])] = flat.float().reshape(w.shape)
         elif d["dp_rank"] == 0:

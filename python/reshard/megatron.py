@@ -19,7 +19,8 @@ QKV row order from the live attention code.
 
 The engine part (:class:`EngineView`, :func:`fill_engine`) is shared with the repository's
 reference trainer (integration/megatron_deepspeed/reshard_hook.py). What is filled, for DeepSpeed's
-ZeRO-1 optimizer (DeepSpeedZeroOptimizer) and BF16_Optimizer:
+ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer and ZeRO-3 (DeepSpeedZeroOptimizer_Stage3,
+where the weights are each rank's partitions ``param.ds_tensor``; :meth:`EngineView._init_stage3`):
 
 * module weights (the 16-bit copies in the optimizer's flat groups; fp32 runs keep float32 there);
 * the flat fp32 partitions (``single_partition_of_fp32_groups``), in the live optimizer's own flat
@@ -367,7 +368,6 @@ class EngineView:
         zopt = self.zopt
         self.fp32_partitions = list(zopt.fp32_partitioned_groups_flat)
         self.aliased = False  # fp32 training: the fp32 "copy" is the 16-bit flat buffer itself
-        self.ds_numel = {}
         for g, params in enumerate(zopt.fp16_groups):
             flat = zopt.fp16_partitioned_groups_flat[g]
             base, es = flat.data_ptr(), flat.element_size()
@@ -391,7 +391,6 @@ class EngineView:
                     raise reshard.Internal(f"[rank {self.rank}] {live}: its partition does not lie in sub-group {g}'s "
                                            "flat buffer")
                 entries.append((canon, int(off), numel))
-                self.ds_numel[canon] = numel
             entries.sort(key=lambda e: e[1])
             pg = zopt.sub_group_to_group_id[g]
             wd = float(self.torch_opt.param_groups[pg].get("weight_decay", 0.0))
@@ -404,9 +403,6 @@ class EngineView:
         (ZeRO-1/2), or its ZeRO-3 partition (``ds_tensor``, ceil(numel / dp) elements)."""
         p = self.params[canon]
         return p.ds_tensor.data.view(-1) if self.zero == 3 else p.data.view(-1)
-
-    def before_write(self) -> None:
-        """Called after planning and pre-flight, before live tensors are written: nothing to do today."""
 
     def after_write(self) -> None:
         """After every tensor was written: ZeRO-3's persistent parameters (kept gathered) are released

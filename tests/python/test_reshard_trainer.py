@@ -9,10 +9,12 @@ format and reshard's native one, with state dumps) feeds:
     logits match; step is restored, not incremented, and the first update after resume equals
     iteration 4 of the uninterrupted run (failures.md B06, B08, B13, B04);
 4 layers over pp=3 (DeepSpeed's uneven split) as a target through the hook and as a source;
-a GQA + SwiGLU + untied model goes tp=2,pp=2 -> tp=4,pp=1 (B08, B12, B13); and a bf16 run
-(DeepSpeed's BF16_Optimizer) goes tp=2,pp=2 -> tp=1,pp=2,dp=2.
+a GQA + SwiGLU + untied model goes tp=2,pp=2 -> tp=4,pp=1 (B08, B12, B13); a bf16 run
+(DeepSpeed's BF16_Optimizer) goes tp=2,pp=2 -> tp=1,pp=2,dp=2; and the plain DeepSpeedEngine
+(--no-pipeline) is filled under ZeRO-3 and ZeRO-2: ZeRO-3 dp=4 -> ZeRO-3 dp=3 and -> a tp=2,pp=2
+pipeline, ZeRO-3 tp=2,dp=2 -> ZeRO-1 tp=1,pp=2,dp=2, ZeRO-2 dp=2 -> ZeRO-3 dp=4.
 Each job starts live state scrambled to NaN, so every element must be written by the load.
-About 6 minutes on 2 cores (8-rank jobs are mostly start-up).
+About 8 minutes on 2 cores (8-rank jobs are mostly start-up).
 """
 
 import json
@@ -263,3 +265,46 @@ def test_bf16_optimizer_tp2pp2_to_tp1pp2dp2(tmp_path):
         assert_same_consolidated(a, consolidate(f"{tmp}/dst_{fmt}/load", cfg), f"bf16 {fmt}")
         la, lb = load_dump(f"{tmp}/src/it2")[0]["eval_loss"], load_dump(f"{tmp}/dst_{fmt}/load")[0]["eval_loss"]
         assert abs(la - lb) <= 1e-3 * abs(la), (fmt, la, lb)  # bf16 matmuls split differently at tp=1
+
+
+# The plain DeepSpeedEngine (--no-pipeline) with ZeRO-2 and ZeRO-3. A global batch of 24 divides
+# by micro batch 2 at dp 1, 2, 3 and 4.
+PLAIN = MODEL[:-1] + ["24"]
+
+
+def plain_source(tmp, tp, dp, zero):
+    losses = job(tmp, "src", tp, 1, dp, ["--no-pipeline", "--zero", str(zero), "--dump-dir", f"{tmp}/src",
+                                         "--dump-at-save", "--save", f"{tmp}/ds", "--save-native", f"{tmp}/native",
+                                         "--save-interval", "3", "--steps", "4"], model=PLAIN)
+    return losses
+
+
+def resume_from_iteration3(tmp, src_losses, name, tp, pp, dp, zero, fmt, plain):
+    """Loads the source's iteration 3 into a scrambled engine: its consolidated state must equal the
+    source's bitwise, and its step 4 loss the uninterrupted run's within 1e-6 relative (fp32)."""
+    losses = job(tmp, name, tp, pp, dp, (["--no-pipeline"] if plain else []) + [
+        "--zero", str(zero), "--dump-dir", f"{tmp}/{name}", "--scramble", "--load", f"{tmp}/{fmt}", "--load-with",
+        "reshard", "--load-step", "3", "--dump-at-save", "--save", f"{tmp}/{name}_ds", "--steps", "4"], model=PLAIN)
+    cfg = cfg_dict()
+    got = consolidate(f"{tmp}/{name}/load", cfg)
+    assert_same_consolidated(consolidate(f"{tmp}/src/it3", cfg), got, name)
+    assert got["step"] == [3.0] and got["global_steps"] == [3] and got["global_samples"] == [72]
+    assert abs(losses[4] - src_losses[4]) <= 1e-6 * abs(src_losses[4]), (name, losses, src_losses)
+
+
+def test_zero3_dp4_to_zero3_dp3_and_to_a_pipeline(tmp_path):
+    """DeepSpeed itself refuses a ZeRO-3 load at another dp size."""
+    tmp = str(tmp_path)
+    src = plain_source(tmp, 1, 4, 3)
+    resume_from_iteration3(tmp, src, "z3d3", 1, 1, 3, 3, "ds", True)
+    resume_from_iteration3(tmp, src, "pipe", 2, 2, 1, 1, "native", False)
+
+
+def test_zero3_tp2dp2_to_zero1_pipeline_tp1pp2dp2(tmp_path):
+    tmp = str(tmp_path)
+    resume_from_iteration3(tmp, plain_source(tmp, 2, 2, 3), "pipe", 1, 2, 2, 1, "ds", False)
+
+
+def test_zero2_dp2_to_zero3_dp4(tmp_path):
+    tmp = str(tmp_path)
+    resume_from_iteration3(tmp, plain_source(tmp, 1, 2, 2), "z3d4", 1, 1, 4, 3, "ds", True)
