@@ -303,7 +303,25 @@ struct Builder {
 
   int tp = 1, pp = 1, dp = 1, zero = 0, mp_world = 1;
   bool pipeline = false;
-  enum Writer { kNone, kZero12, kBf16, kZero3 } wkind = kNone;
+  enum Writer { kNone, kZero12, kBf16, kZero3, kZero0 } wkind = kNone;
+  // ZeRO-0 with an optimizer: its state_dict under each mp_rank file's `optimizer`, saved by dp
+  // rank 0 [deepspeed/runtime/engine.py _save_checkpoint: `optimizer` when neither ZeRO nor bf16].
+  //   kFp16Unfused: FP16_UnfusedOptimizer {cur_scale, ..., optimizer_state_dict, fp32_groups: one
+  //                 fp32 copy per parameter} [deepspeed/runtime/fp16/unfused_optimizer.py];
+  //   kFp16Fused:   FP16_Optimizer {..., optimizer_state_dict, fp32_groups_flat: one flat fp32 copy
+  //                 per group, the parameters side by side} [deepspeed/runtime/fp16/fused_optimizer.py];
+  //   kTorch:       the torch optimizer's own state_dict {state, param_groups} (fp32: the module
+  //                 weights are the master).
+  enum Zero0Kind { kFp16Unfused, kFp16Fused, kTorch } z0kind = kTorch;
+  // Where each parameter's optimizer state lies: per mp rank, DeepSpeed name -> (group, index in
+  // the group, torch state index, element offset in the group's flat fp32 copy).
+  struct Zero0Slot {
+    int group = 0, index = 0;
+    int64_t state = 0, offset = 0;
+  };
+  std::map<int, std::map<std::string, Zero0Slot>> z0slots;
+  std::map<std::string, bool> z0_no_wd;  // canonical name -> in a no-weight-decay group
+  std::set<std::pair<int, size_t>> round_robin_groups;  // (mp, group) whose flat order is round robin
 
   // Per mp rank: param groups as (DeepSpeed name, local shape).
   std::map<int, std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>>> shapes;
@@ -385,6 +403,12 @@ struct Builder {
 
   void list_and_open();
   void topology();
+  void zero0_optimizer();
+  void zero0_groups();
+  const PyValue* zero0_torch_state(int mp) {
+    const PyValue* o = get(&model[mp]->ar.root(), "optimizer");
+    return z0kind == kTorch ? o : get(o, "optimizer_state_dict");
+  }
   void read_shapes();
   void name_specs();
   void model_config();
@@ -545,14 +569,14 @@ void Builder::topology() {
            ", so DeepSpeed wrote the optimizer state (fp32 master, exp_avg, exp_avg_sq) to "
            "[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt files (dp_world_size ", dpw ? *dpw : 1,
            "): they are missing (a copy without them?); loading the weights alone would lose the optimizer state");
-    const PyValue* torch_opt = get(&first->ar.root(), "optimizer");
-    if (torch_opt && !torch_opt->is_none())
-      fail(ErrorCode::kUnsupported, first->path, ": the optimizer state is a torch optimizer state_dict under "
-           "`optimizer` (ZeRO stage 0 without bf16), which reshard does not read; loading the weights alone would "
-           "lose it");
-    wkind = kNone;
     zero = 0;
     dp = dpw ? int(*dpw) : 1;
+    const PyValue* torch_opt = get(&first->ar.root(), "optimizer");
+    if (torch_opt && !torch_opt->is_none()) {
+      zero0_optimizer();
+      return;
+    }
+    wkind = kNone;
     r->writer_ = "deepspeed";
     note("no *_optim_states.pt files: the checkpoint holds weights only (no ZeRO optimizer state)");
   } else {
@@ -643,6 +667,152 @@ void Builder::topology() {
          " from partition_count");
   }
   if (zero == 3 && pp > 1) fail(ErrorCode::kUnsupported, dir, ": ZeRO-3 with pipeline parallelism");
+}
+
+void Builder::zero0_optimizer() {
+  if (pipeline)
+    fail(ErrorCode::kUnsupported, dir, ": a pipeline checkpoint whose optimizer state is under the mp_rank files' "
+         "`optimizer` (ZeRO stage 0 without bf16) is not supported; loading the weights alone would lose it");
+  std::optional<Zero0Kind> kind;
+  std::string kind_file;
+  for (auto& [mp, f] : model) {
+    const PyValue* o = get(&f->ar.root(), "optimizer");
+    if (!o || o->is_none())
+      fail(ErrorCode::kDataLoss, f->path, ": no optimizer state under `optimizer`, but ", kind_file, " has one");
+    Zero0Kind k;
+    if (get(o, "optimizer_state_dict") && seq(get(o, "fp32_groups"))) {
+      k = kFp16Unfused;
+    } else if (get(o, "optimizer_state_dict") && seq(get(o, "fp32_groups_flat"))) {
+      k = kFp16Fused;
+    } else if (get(o, "state") && seq(get(o, "param_groups"))) {
+      k = kTorch;
+    } else {
+      std::string keys;
+      if (o->kind == Kind::Dict)
+        for (auto& [kk, vv] : o->entries) keys += (keys.empty() ? "" : ", ") + (kk->kind == Kind::String ? kk->text : kk->repr());
+      fail(ErrorCode::kUnsupported, f->path, ": `optimizer` holds {", keys, "}: not a state_dict of DeepSpeed's "
+           "FP16_Optimizer (fp32_groups_flat), FP16_UnfusedOptimizer (fp32_groups) or a torch optimizer "
+           "(state, param_groups), the ZeRO stage 0 writers reshard reads");
+    }
+    if (kind && *kind != k) fail(ErrorCode::kDataLoss, f->path, ": `optimizer` written by another optimizer than ", kind_file, "'s");
+    kind = k;
+    kind_file = f->path;
+  }
+  z0kind = *kind;
+  wkind = kZero0;
+  r->writer_ = z0kind == kTorch ? "deepspeed-zero0" : "deepspeed-zero0-fp16";
+  note(std::string("optimizer writer ") + r->writer_ + " (no *_optim_states.pt; mp_rank files' `optimizer` holds " +
+       (z0kind == kFp16Unfused ? "FP16_UnfusedOptimizer's state: one fp32 copy per parameter"
+        : z0kind == kFp16Fused ? "FP16_Optimizer's state: one flat fp32 copy per param group"
+                               : "the torch optimizer's state_dict: the fp32 module weights are the master") +
+       "); dp=" + std::to_string(dp) + " from dp_world_size, optimizer state replicated over dp");
+}
+
+// Which module parameter each saved ZeRO-0 moment belongs to. A torch optimizer state_dict numbers
+// its parameters, it does not name them, and DeepSpeed records no param_shapes without ZeRO; the
+// groups are Megatron's (get_param_groups: biases and 1-D tensors without weight decay, the rest
+// with, each in module order), told apart by wd_mult (Megatron-DeepSpeed) or weight_decay. Every
+// group must then match the saved copies shape by shape, and (16-bit runs) each parameter's saved
+// fp32 copy must give its 16-bit weight, checked on its first and last elements in build();
+// anything else is refused, never guessed.
+void Builder::zero0_groups() {
+  for (auto& [mp, f] : model) {
+    const PyValue* o = get(&f->ar.root(), "optimizer");
+    const PyValue* tsd = zero0_torch_state(mp);
+    const std::string base = f->path + "[optimizer]" + (z0kind == kTorch ? "" : "[optimizer_state_dict]");
+    auto* pgs = seq(get(tsd, "param_groups"));
+    const PyValue* state = get(tsd, "state");
+    if (!pgs || !state) fail(ErrorCode::kInvalidArgument, base, ": no param_groups list or state dict");
+    const char* copies_key = z0kind == kFp16Unfused ? "fp32_groups" : "fp32_groups_flat";
+    auto* copies = z0kind == kTorch ? nullptr : seq(get(o, copies_key));
+    if (copies && copies->size() != pgs->size())
+      fail(ErrorCode::kDataLoss, f->path, "[optimizer][", copies_key, "] has ", copies->size(), " groups but param_groups has ",
+           pgs->size());
+    std::vector<std::pair<std::string, std::vector<int64_t>>> all;
+    for (auto& grp : shapes[mp])
+      for (auto& e : grp) all.push_back(e);
+    std::vector<size_t> by_rule[2];  // [with weight decay, without]
+    for (size_t i = 0; i < all.size(); ++i) {
+      const std::string& n = all[i].first;
+      const bool nwd = (n.size() >= 5 && n.compare(n.size() - 5, 5, ".bias") == 0) || all[i].second.size() == 1;
+      by_rule[nwd].push_back(i);
+    }
+    bool used[2] = {false, false};
+    for (size_t g = 0; g < pgs->size(); ++g) {
+      const PyValue* pg = (*pgs)[g];
+      auto* ids = seq(get(pg, "params"));
+      if (!ids) fail(ErrorCode::kInvalidArgument, base, "[param_groups][", g, "] has no params list");
+      if (ids->empty()) continue;
+      const auto wd_mult = opt_num(get(pg, "wd_mult"));
+      const bool nwd = wd_mult ? *wd_mult == 0.0 : opt_num(get(pg, "weight_decay")).value_or(0.0) == 0.0;
+      if (used[nwd])
+        fail(ErrorCode::kUnsupported, base, ": two param groups ", nwd ? "without" : "with", " weight decay; reshard tells "
+             "which parameter each saved ZeRO-0 moment belongs to by Megatron's param groups ([weight decay, no weight "
+             "decay], each in module order) and cannot map other groups");
+      used[nwd] = true;
+      const auto& members = by_rule[nwd];
+      // The saved copies' shapes (per parameter) or flat length (FP16_Optimizer).
+      std::vector<std::vector<int64_t>> saved;
+      int64_t flat = -1;
+      if (z0kind == kFp16Unfused) {
+        auto* l = seq((*copies)[g]);
+        if (!l) fail(ErrorCode::kInvalidArgument, f->path, "[optimizer][fp32_groups][", g, "] is not a list");
+        for (auto* t : *l) {
+          if (t->kind != Kind::Tensor) fail(ErrorCode::kInvalidArgument, f->path, "[optimizer][fp32_groups][", g, "] holds a non-tensor");
+          saved.push_back(t->as_tensor().shape);
+        }
+      } else if (z0kind == kFp16Fused) {
+        const PyValue* t = (*copies)[g];
+        if (t->kind != Kind::Tensor) fail(ErrorCode::kInvalidArgument, f->path, "[optimizer][fp32_groups_flat][", g, "] is not a tensor");
+        if (ids->size() != 1)
+          fail(ErrorCode::kDataLoss, base, "[param_groups][", g, "] lists ", ids->size(), " parameters; FP16_Optimizer keeps one flat one");
+        flat = int64_t(t->as_tensor().numel());
+      } else {
+        for (auto* id : *ids) {
+          auto sid = opt_int(id);
+          const PyValue* ea = sid ? get(get_index(state, *sid), "exp_avg") : nullptr;
+          if (!ea || ea->kind != Kind::Tensor)
+            fail(ErrorCode::kDataLoss, base, "[state][", sid.value_or(-1), "] has no exp_avg tensor (parameter ", saved.size(),
+                 " of param group ", g, "): the optimizer has not stepped, or the state is incomplete");
+          saved.push_back(ea->as_tensor().shape);
+        }
+      }
+      auto listing = [&]() {
+        std::string s;
+        for (size_t k = 0; k < members.size() && k < 8; ++k)
+          s += (k ? ", " : "") + all[members[k]].first + " " + shape_str(all[members[k]].second);
+        return s + (members.size() > 8 ? ", ..." : "");
+      };
+      const char* why = ": the trainer's param groups are not Megatron's ([weight decay, no weight decay], each in module "
+                        "order), so reshard cannot tell which parameter each saved moment belongs to";
+      if (z0kind != kFp16Fused && (saved.size() != members.size() || saved.size() != ids->size()))
+        fail(ErrorCode::kUnsupported, base, "[param_groups][", g, "] holds ", ids->size(), " parameters (", saved.size(),
+             " saved copies) but the module has ", members.size(), " ", nwd ? "without" : "with", " weight decay (", listing(), ")", why);
+      int64_t at = 0;
+      for (size_t k = 0; k < members.size(); ++k) {
+        const auto& [n, shape] = all[members[k]];
+        if (z0kind != kFp16Fused && saved[k] != shape)
+          fail(ErrorCode::kUnsupported, base, "[param_groups][", g, "]: parameter ", k, " is saved with shape ", shape_str(saved[k]),
+               " but the module's ", k, "-th parameter ", nwd ? "without" : "with", " weight decay is ", n, " ", shape_str(shape), why);
+        Zero0Slot z;
+        z.group = int(g);
+        z.index = int(k);
+        z.state = z0kind == kFp16Fused ? opt_int((*ids)[0]).value_or(-1) : opt_int((*ids)[k]).value_or(-1);
+        z.offset = at;
+        at += prod(shape);
+        z0slots[mp][canon[n]] = z;
+        z0_no_wd[canon[n]] = nwd;
+      }
+      if (z0kind == kFp16Fused && flat != at)
+        fail(ErrorCode::kUnsupported, f->path, "[optimizer][fp32_groups_flat][", g, "] holds ", flat, " elements but the module's ",
+             members.size(), " parameters ", nwd ? "without" : "with", " weight decay hold ", at, why);
+    }
+    for (int c = 0; c < 2; ++c)
+      if (!used[c] && !by_rule[c].empty())
+        fail(ErrorCode::kUnsupported, base, ": no param group ", c ? "without" : "with", " weight decay, but the module has ",
+             by_rule[c].size(), " such parameters (", all[by_rule[c][0]].first, ", ...)", ": the trainer's param groups are not "
+             "Megatron's, so reshard cannot tell which parameter each saved moment belongs to");
+  }
 }
 
 void Builder::read_shapes() {
@@ -944,6 +1114,7 @@ void Builder::qkv_order(Opened* first, std::optional<double> cv, const PyValue* 
 }
 
 void Builder::build() {
+  if (wkind == kZero0) zero0_groups();
   // ---- Tensor specs: local shapes per (stage, tp rank), checked equal across tp ranks (even
   // splits) and stages (pipeline replicas).
   struct Seen {
@@ -971,7 +1142,7 @@ void Builder::build() {
         const std::string& c = canon[n];
         auto it = seen.find(c);
         if (it == seen.end()) {
-          seen[c] = {s, {p}, n, order++, nwd};
+          seen[c] = {s, {p}, n, order++, wkind == kZero0 ? z0_no_wd[c] : nwd};
         } else {
           if (it->second.local != s)
             fail(ErrorCode::kUnsupported, model.count(mp) ? model[mp]->path : dir, ": tensor ", c, " (", n, ") has local shape ",
@@ -1153,6 +1324,10 @@ void Builder::build() {
       if (module) walk(module, "");
     }
   }
+  auto weights_at = [&](const std::string& c, int mp) -> const pt::TensorInfo* {
+    auto it = weights.find({c, mp});
+    return it == weights.end() ? nullptr : it->second.t;
+  };
   if (wdt) cfg.param_dtype = *wdt;
   else if (auto pd = get(get(&model.begin()->second->ar.root(), "args"), "params_dtype"); pd && pd->kind == Kind::Dtype && pd->dtype_known)
     cfg.param_dtype = pd->dtype;
@@ -1176,18 +1351,6 @@ void Builder::build() {
             if (auto* l = seq((*all)[g]); l && l->size() == pads.size())
               for (size_t i = 0; i < pads.size(); ++i) pads[i] = opt_int((*l)[i]).value_or(0);
         }
-        int64_t at = 0;
-        for (size_t i = 0; i < groups[g].size(); ++i) {
-          const auto& [n, s] = groups[g][i];
-          int64_t numel = prod(s);
-          FlatGroup::Entry e{canon[n], at, numel};
-          if (zero == 3) at += (numel + dp - 1) / dp;  // each parameter padded to a multiple of dp [DS partition_parameters.py]
-          else at += numel + pads[i];
-          G.entries.push_back(e);
-          G.no_weight_decay = seen[e.tensor].nwd;
-        }
-        const int64_t N = zero == 3 ? at : (G.entries.empty() ? 0 : G.entries.back().offset + G.entries.back().numel);
-        G.numel = N;
         // Partition size from the saved moments (padded partitions).
         std::optional<int64_t> P;
         std::string P_file;
@@ -1207,6 +1370,25 @@ void Builder::build() {
             P_file = f->path;
           }
         }
+        int64_t at = 0;
+        // Flat order: param_shapes order, which DeepSpeed writes in the flat buffer's order, also
+        // under round_robin_gradients (engine.py _get_zero_param_shapes takes round_robin_bit16_groups).
+        const Opened* mf = model.count(mp) ? model[mp] : nullptr;
+        if (zero <= 2 && wkind == kZero12 && dp > 1 && mf &&
+            opt_bool(get(get(get(&mf->ar.root(), "ds_config"), "zero_optimization"), "round_robin_gradients")).value_or(false))
+          round_robin_groups.insert({mp, g});
+        for (size_t i = 0; i < groups[g].size(); ++i) {
+          const auto& [n, s] = groups[g][i];
+          const int64_t numel = prod(s);
+          G.entries.push_back({canon[n], at, numel});
+          if (zero == 3) at += (numel + dp - 1) / dp;  // each parameter padded to a multiple of dp [DS partition_parameters.py]
+          else at += numel + pads[i];
+          G.no_weight_decay = seen[canon[n]].nwd;
+        }
+        int64_t N = 0;
+        for (const auto& e : G.entries) N = std::max(N, zero == 3 ? at : e.offset + e.numel);
+        if (zero == 3) N = at;
+        G.numel = N;
         if (!P) {
           if (zero == 3) P = N;
           else {
@@ -1257,9 +1439,19 @@ void Builder::build() {
                 fail(ErrorCode::kDataLoss, f->path, ": group ", g, " group_paddings says ", pad, " but the partition layout gives ", expect,
                      " (partition size ", *P, ", ", N, " elements, dp rank ", d, " of ", dp, ")");
             }
-            // param_slice_mappings: (numel, start) per parameter fragment of this rank.
+            // param_slice_mappings: (numel, start) per parameter fragment of this rank. Under
+            // round_robin_gradients without alignment padding DeepSpeed computes them in the
+            // group's original parameter order, not in the flat buffer's (stage_1_and_2.py
+            // _link_all_hp_params passes the reordered offsets only when some padding is
+            // non-zero): there they do not describe the saved partitions and are not compared.
             auto* psm = seq(get(osd, "param_slice_mappings"));
-            if (psm && g < psm->size() && (*psm)[g]->kind == Kind::Dict) {
+            const bool psm_stale = round_robin_groups.count({mp, g}) &&
+                                   std::all_of(pads.begin(), pads.end(), [](int64_t x) { return x == 0; });
+            if (psm_stale && d == ofiles[0].first)
+              note("mp rank " + std::to_string(mp) + ", group " + std::to_string(g) + ": param_slice_mappings not compared "
+                   "(under round_robin_gradients without padding DeepSpeed writes them in the group's original parameter "
+                   "order, not the flat buffer's; param_shapes gives the flat order)");
+            if (psm && !psm_stale && g < psm->size() && (*psm)[g]->kind == Kind::Dict) {
               std::map<std::string, std::pair<int64_t, int64_t>> frag;
               for (auto& [k, v] : (*psm)[g]->entries) {
                 auto numel = opt_int(get(v, "numel"));
@@ -1296,7 +1488,7 @@ void Builder::build() {
   topo.zero = zero;
   DeriveOptions dopt;
   dopt.weights_on_dp0_only = true;
-  dopt.optimizer = zero >= 1;
+  dopt.optimizer = zero >= 1 || wkind == kZero0;
   Layout L = build_layout(cfg, topo, recipe, dopt);
 
   // ---- Locate every buffer.
@@ -1320,6 +1512,77 @@ void Builder::build() {
       fail(ErrorCode::kDataLoss, where, ": shape ", shape_str(t.shape), " but ", b.name, " expects ", shape_str(*expect_shape));
     if (int64_t(t.numel()) != expect_numel && !(b.group >= 0))
       fail(ErrorCode::kDataLoss, where, ": ", t.numel(), " elements but ", b.name, " has ", expect_numel);
+  };
+  // ZeRO-0 state of one tensor on one mp rank (zero0_groups placed it); a 16-bit run's fp32 copy
+  // must give the module's 16-bit weight on its first and last elements.
+  auto locate_zero0 = [&](const Buffer& B, const std::string& rest, int mp, int t, const pt::TensorInfo* weight,
+                          BufferLocation* loc) {
+    auto mf = model.find(mp);
+    if (mf == model.end()) {
+      loc->file = -1;
+      return;
+    }
+    Opened* f = mf->second;
+    auto zs = z0slots[mp].find(rest);
+    if (zs == z0slots[mp].end())
+      fail(ErrorCode::kInternal, f->path, ": no ZeRO-0 optimizer slot for ", rest);
+    const Zero0Slot& z = zs->second;
+    const PyValue* o = get(&f->ar.root(), "optimizer");
+    const PyValue* tv = nullptr;
+    std::string where;
+    int64_t elem_off = 0;
+    const std::string g = std::to_string(z.group);
+    if (B.state == StateKind::kMaster && z0kind == kTorch) {
+      if (!weight) fail(ErrorCode::kDataLoss, f->path, ": module has no tensor for ", rest);
+      if (!weight->dtype_known || weight->dtype != DType::F32)
+        fail(ErrorCode::kUnsupported, f->path, ": module weight ", rest, " is ", weight->torch_dtype, " but a torch optimizer's "
+             "master (ZeRO-0 without FP16_Optimizer) is the float32 module weight itself");
+      *loc = {file_index(f), f->ar.tensor_data_offset(*weight)};
+      return;
+    }
+    if (B.state == StateKind::kMaster && z0kind == kFp16Unfused) {
+      tv = (*seq((*seq(get(o, "fp32_groups")))[z.group]))[z.index];
+      where = f->path + "[optimizer][fp32_groups][" + g + "][" + std::to_string(z.index) + "]";
+    } else if (B.state == StateKind::kMaster) {
+      tv = (*seq(get(o, "fp32_groups_flat")))[z.group];
+      elem_off = z.offset;
+      where = f->path + "[optimizer][fp32_groups_flat][" + g + "]";
+    } else {
+      const char* key = B.state == StateKind::kExpAvg ? "exp_avg" : "exp_avg_sq";
+      tv = get(get_index(get(zero0_torch_state(mp), "state"), z.state), key);
+      elem_off = z0kind == kFp16Fused ? z.offset : 0;
+      where = f->path + "[optimizer]" + (z0kind == kTorch ? "" : "[optimizer_state_dict]") + "[state][" +
+              std::to_string(z.state) + "][" + key + "]";
+    }
+    if (!tv || tv->kind != Kind::Tensor) fail(ErrorCode::kInvalidArgument, where, " is not a tensor");
+    const pt::TensorInfo& ti = tv->as_tensor();
+    if (elem_off == 0 && z0kind != kFp16Fused) {
+      const TpShard sh = tp_shard(specs[spec_index.at(rest)], cfg, tp, t);
+      check_tensor(ti, where, B, B.numel, &sh.local_shape);
+    } else {
+      check_tensor(ti, where, B, int64_t(ti.numel()), nullptr);
+      if (elem_off + B.numel > int64_t(ti.numel()))
+        fail(ErrorCode::kDataLoss, where, ": ", ti.numel(), " elements, but ", rest, " lies at [", elem_off, ", ",
+             elem_off + B.numel, ")");
+    }
+    const uint64_t at = f->ar.tensor_data_offset(ti) + uint64_t(elem_off) * ti.itemsize;
+    *loc = {file_index(f), at};
+    if (B.state != StateKind::kMaster || !weight || !weight->dtype_known || weight->dtype == DType::F32) return;
+    // The fp32 copy downcast must be the 16-bit weight (what every FP16 optimizer step writes).
+    const int64_t n = B.numel, k = std::min<int64_t>(n, 64);
+    for (int64_t start : {int64_t(0), n - k}) {
+      const size_t kk = static_cast<size_t>(k);
+      std::vector<float> m(kk);
+      std::vector<uint16_t> w(kk), down(kk);
+      f->src->read(at + uint64_t(start) * 4, uint64_t(k) * 4, m.data());
+      f->src->read(f->ar.tensor_data_offset(*weight) + uint64_t(start) * 2, uint64_t(k) * 2, w.data());
+      convert_elements(m.data(), DType::F32, down.data(), weight->dtype, size_t(k));
+      for (int64_t i = 0; i < k; ++i)
+        if (down[size_t(i)] != w[size_t(i)])
+          fail(ErrorCode::kDataLoss, where, ": element ", start + i, " of the fp32 copy of ", rest, " is ", m[size_t(i)],
+               ", which does not give the module's ", dtype_name(weight->dtype), " weight there: the saved optimizer "
+               "state is not this module's (param groups in another order than Megatron's, or files of different saves)");
+    }
   };
   std::map<std::string, std::vector<int64_t>> local_shape_of;
   for (size_t b = 0; b < L.buffers.size(); ++b) {
@@ -1379,6 +1642,10 @@ void Builder::build() {
       if (model.count(mp))
         fail(ErrorCode::kDataLoss, model[mp]->path, ": module has no tensor for ", rest, " (named by param_shapes)");
       locs[b].file = -1;  // mp_rank file missing
+      continue;
+    }
+    if (wkind == kZero0) {  // per-tensor state: "<state>/<tensor>", in the mp_rank file's `optimizer`
+      locate_zero0(B, rest, mp, t, weights_at(rest, mp), &locs[b]);
       continue;
     }
     // Optimizer flat partitions: "<state>/group<g>".
@@ -1504,6 +1771,33 @@ void Builder::non_tensor_state() {
     if (loss_scaler.is_null() && get(osd, "loss_scaler")) loss_scaler = to_json_safe(get(osd, "loss_scaler"));
     if (param_groups.is_null() && get(base, "param_groups")) param_groups = to_json_safe(get(base, "param_groups"));
   }
+  if (wkind == kZero0) {  // ZeRO-0: the torch optimizer's state in each mp_rank file's `optimizer`
+    for (auto& [mp, f] : model) {
+      const PyValue* tsd = zero0_torch_state(mp);
+      const PyValue* st = get(tsd, "state");
+      if (st && st->kind == Kind::Dict)
+        for (auto& [gk, gv] : st->entries) {
+          const PyValue* sv = get(gv, "step");
+          if (!sv) continue;
+          double v = scalar(f, sv, "[optimizer] step of parameter " + gk->repr());
+          if (step && *step != v)
+            fail(ErrorCode::kDataLoss, "optimizer step differs: ", step_file, " has ", *step, ", ", f->path, " parameter ",
+                 gk->repr(), " has ", v);
+          step = v;
+          step_file = f->path;
+        }
+      if (param_groups.is_null() && get(tsd, "param_groups")) param_groups = to_json_safe(get(tsd, "param_groups"));
+      // FP16_Optimizer / FP16_UnfusedOptimizer keep their loss scaler's state beside the torch
+      // optimizer's: dynamic_loss_scale, cur_scale, cur_iter, last_overflow_iter, scale_factor,
+      // scale_window [deepspeed/runtime/fp16/*optimizer.py state_dict].
+      const PyValue* o = get(&f->ar.root(), "optimizer");
+      if (z0kind != kTorch && loss_scaler.is_null() && get(o, "cur_scale")) {
+        loss_scaler = nlohmann::ordered_json::object();
+        for (const char* k : {"dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window"})
+          if (const PyValue* v = get(o, k)) loss_scaler[k] = to_json_safe(v);
+      }
+    }
+  }
   S.step = step ? int64_t(std::llround(*step)) : -1;
   // A model-states file from another save copied into this folder (session 15 tester: an older
   // mp_rank_00 in global_step3 loaded as "iteration 2, optimizer step 3" and the trainer replayed
@@ -1525,7 +1819,10 @@ void Builder::non_tensor_state() {
            " (DeepSpeed names a save global_step<global_steps>): the model-states files come from another save "
            "(copied in?) or the folder was renamed; refusing to mix the state of two saves");
     const std::optional<int64_t> engine_steps = gs0 ? gs0 : it0;
-    if (step && engine_steps && *step > double(*engine_steps) + 0.5)
+    // FP16_Optimizer and FP16_UnfusedOptimizer step the torch optimizer once with zero gradients
+    // when they are built (initialize_optimizer_states), so theirs is one step ahead.
+    const double init_steps = wkind == kZero0 && z0kind != kTorch ? 1.0 : 0.0;
+    if (step && engine_steps && *step > double(*engine_steps) + init_steps + 0.5)
       fail(ErrorCode::kDataLoss, step_file, ": the optimizer has taken ", *step, " steps but ", f0, " records ",
            gs0 ? "global_steps=" : "iteration=", *engine_steps,
            "; an optimizer cannot step more often than the engine, so these files come from different saves "
