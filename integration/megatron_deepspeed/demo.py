@@ -6,9 +6,10 @@ weights and optimizer state on the fly, train on, and compare with the uninterru
 1. Source + baseline: one uninterrupted run at tp=2,pp=2,dp=2 for K+N iterations (fp32, no
    dropout), saving at iteration K (DeepSpeed's own format, plus reshard's native format written
    from the live engine by train_reshard.py). Its losses after K are the uninterrupted baseline.
-2. For each target layout (tp=1,pp=2,dp=4 and tp=4,pp=1,dp=2): a new job starts at that layout,
-   reshard_load fills the live DeepSpeed engine from the checkpoint (the DeepSpeed folder when this
-   build can read it, else the native one), and it trains N more iterations.
+2. For each target layout (tp=1,pp=2,dp=4 and tp=4,pp=1,dp=2 on the PipelineEngine with ZeRO-1,
+   and ZeRO-3 at dp=4 on the plain DeepSpeedEngine): a new job starts at that layout, reshard_load
+   fills the live DeepSpeed engine from the checkpoint (the DeepSpeed folder when this build can
+   read it, else the native one), and it trains N more iterations.
 3. Prints both curves and the reshard reports; writes OUT/report.json and OUT/loss_curves.png.
 
 Comparable by construction: same global batch, data order driven by consumed samples, heads and
@@ -54,7 +55,9 @@ def main(argv=None):
     p.add_argument("--save-at", type=int, default=24, help="iteration K at which the source run saves")
     p.add_argument("--after", type=int, default=20, help="iterations N trained after the restart")
     p.add_argument("--source", default="2,2,2", help="tp,pp,dp of the source run")
-    p.add_argument("--targets", default="1,2,4;4,1,2", help="tp,pp,dp of each restart, ';'-separated")
+    p.add_argument("--targets", default="1,2,4;4,1,2;1,1,4,3",
+                   help="tp,pp,dp[,zero] of each restart, ';'-separated; zero 2 or 3 runs the plain DeepSpeedEngine "
+                        "(GPTModel, pp=1), else the PipelineEngine with ZeRO-1")
     p.add_argument("--checkpoint-format", choices=["auto", "deepspeed", "native"], default="auto",
                    help="what the restarts read: auto = DeepSpeed's folder when this build reads it, else native")
     p.add_argument("--timeout", type=int, default=420, help="seconds per training job")
@@ -66,7 +69,12 @@ def main(argv=None):
     shutil.rmtree(ckpt, ignore_errors=True)
     K, N = args.save_at, args.after
     src = tuple(int(x) for x in args.source.split(","))
-    targets = [tuple(int(x) for x in t.split(",")) for t in args.targets.split(";")]
+    targets = []
+    for t in args.targets.split(";"):
+        v = [int(x) for x in t.split(",")]
+        if len(v) not in (3, 4) or (len(v) == 4 and v[3] > 1 and v[1] != 1):
+            raise SystemExit(f"--targets: {t!r} is not tp,pp,dp[,zero] (zero 2 or 3 needs pp=1)")
+        targets.append((v[0], v[1], v[2], v[3] if len(v) == 4 else 1))
 
     # 1. Source run, which is also the uninterrupted baseline.
     base = run("baseline", *src, "train_reshard",
@@ -88,28 +96,30 @@ def main(argv=None):
 
     results = []
     curves = {}
-    for (tp, pp, dp) in targets:
-        name = f"resume_tp{tp}_pp{pp}_dp{dp}"
+    for (tp, pp, dp, zero) in targets:
+        label = f"tp={tp},pp={pp},dp={dp}" + (f",zero={zero}" if zero != 1 else "")
+        name = f"resume_tp{tp}_pp{pp}_dp{dp}" + (f"_zero{zero}" if zero != 1 else "")
         rep_path = os.path.join(out, f"{name}.reshard.json")
         # The restart is driven by a resume config (configs/resume/*.yaml format), as a trainer
         # would be on a real restart.
         rc_path = os.path.join(out, f"{name}.resume.yaml")
         with open(rc_path, "w") as f:
             f.write(f"checkpoint:\n  root: {load_root}\n  step: \"{K}\"\n"
-                    f"target: tp={tp},pp={pp},dp={dp},zero=1\n"
+                    f"target: tp={tp},pp={pp},dp={dp},zero={zero}\n"
                     "verify: full\n"  # every checksummed record read is checked before any write
                     "policies:\n  replicas: error\n  strict_missing: true\n  strict_unexpected: true\n"
                     "  memory_budget_gib: 1\n")
+        engine = ["--no-pipeline", "--zero", str(zero)] if zero > 1 else []
         losses = run(name, tp, pp, dp, "train",
-                     ["--resume-config", rc_path, "--reshard-report", rep_path, "--steps", str(K + N)], out,
+                     engine + ["--resume-config", rc_path, "--reshard-report", rep_path, "--steps", str(K + N)], out,
                      args.timeout)
         with open(rep_path) as f:
             rep = json.load(f)
         after = [s for s in sorted(losses) if s > K]
         rel = [abs(losses[s] - base[s]) / abs(base[s]) for s in after]
-        curves[f"tp={tp},pp={pp},dp={dp}"] = losses
+        curves[label] = losses
         results.append({
-            "layout": f"tp={tp},pp={pp},dp={dp}",
+            "layout": label,
             "source_layout": f"tp={src[0]},pp={src[1]},dp={src[2]}",
             "change": rep["change"],
             "checkpoint_format": fmt,

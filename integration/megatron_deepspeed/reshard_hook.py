@@ -5,8 +5,9 @@ into the live DeepSpeed engine in place, and save the live engine in reshard's n
                                                policies={"replicas": "error"})
 
 What is filled (torch AdamW): the PipelineEngine with ZeRO-1 or BF16_Optimizer, and the plain
-DeepSpeedEngine of ``--no-pipeline`` (GPTModel) with ZeRO-1, ZeRO-2 or ZeRO-3 (there the weights
-are each rank's ZeRO-3 partitions, ``param.ds_tensor``; reshard.megatron.EngineView):
+DeepSpeedEngine of ``--no-pipeline`` (GPTModel) with ZeRO-0 (fp32: the torch optimizer itself;
+fp16: FP16_UnfusedOptimizer), ZeRO-1, ZeRO-2 or ZeRO-3 (there the weights are each rank's ZeRO-3
+partitions, ``param.ds_tensor``; reshard.megatron.EngineView):
   * module weights (the 16-bit/bit16 copies DeepSpeed keeps in its flat groups; fp32 runs keep
     float32 there), from the checkpoint's weights, via canonical names (include/reshard/model.h);
   * the ZeRO optimizer's flat fp32 partitions (engine.optimizer.single_partition_of_fp32_groups),
@@ -70,7 +71,7 @@ def model_config_dict(cfg: M.GPTConfig) -> dict:
         "tied_embeddings": bool(cfg.tied),
         "bias": bool(cfg.add_bias_linear),
         "norm": cfg.normalization,
-        "param_dtype": "bf16" if cfg.bf16 else "f32",
+        "param_dtype": "bf16" if cfg.bf16 else "f16" if cfg.fp16 else "f32",
         "optimizer": "adam",
         "qkv_version": 3.0,  # the reference model's fused QKV: [ng, q/ng + 2, hn] rows
         "qkv_order": "interleaved",
@@ -95,7 +96,7 @@ def LiveState(engine, cfg: M.GPTConfig) -> RM.EngineView:
     """This rank's view of the reference trainer's live engine (reshard.megatron.EngineView), with
     ranks from the PipelineEngine's grid and the model's own tensor-parallel rank. Collective."""
     if not hasattr(engine, "grid"):
-        # The trainer's --no-pipeline engine: a plain DeepSpeedEngine on GPTModel (ZeRO 1-3), one
+        # The trainer's --no-pipeline engine: a plain DeepSpeedEngine on GPTModel (ZeRO 0-3), one
         # pipeline stage, ranks ordered rank = dp_rank * tp + tp_rank.
         rank = dist.get_rank()
         return RM.EngineView(engine, model_config_dict(cfg), tp=cfg.tp, pp=1, dp=cfg.dp, stage=0,
@@ -114,12 +115,10 @@ def LiveState(engine, cfg: M.GPTConfig) -> RM.EngineView:
 
 
 def _global_json(engine, zopt, args) -> dict:
-    ls = getattr(zopt, "loss_scaler", None)
     sched = getattr(engine, "lr_scheduler", None)
     return {
         "writer": "integration.megatron_deepspeed.reshard_hook",
-        "loss_scaler": {"cur_scale": float(getattr(ls, "cur_scale", 1.0)),
-                        "dynamic": bool(getattr(zopt, "dynamic_loss_scale", False))},
+        "loss_scaler": RM.loss_scaler_state(zopt) or {"cur_scale": 1.0, "dynamic": False},
         "lr_scheduler": sched.state_dict() if sched is not None else None,
         "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
         "global_batch": int(getattr(args, "global_batch", 0)),

@@ -33,12 +33,26 @@ def dump_engine(engine, path: str, extra: dict = None):
         d["weight"] = {k: torch.empty(tuple(p.ds_shape), dtype=p.ds_tensor.dtype) for k, p in live.params.items()}
     else:
         d["weight"] = {k: p.detach().clone() for k, p in live.params.items()}
-    for part in live.fp32_partitions:
+    if live.zero == 0:  # per-parameter state, laid side by side in group-entry order
+        d["fp32"] = [torch.cat([live._zero0_master(c).detach().clone() for c, _, _ in g["entries"]])
+                     for g in live.groups]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            for g in live.groups:
+                views = []
+                for c, _, _ in g["entries"]:
+                    ki, off, n = live.z0_state[c]
+                    t = live.torch_opt.state.get(live.state_keys[ki], {}).get(kind)
+                    views.append(None if t is None else t.view(-1).narrow(0, off, n).clone())
+                d[kind].append(None if any(v is None for v in views) else torch.cat(views))
+    for part in live.state_keys:
         st = live.torch_opt.state.get(part, {})
-        d["exp_avg"].append(st["exp_avg"].clone() if "exp_avg" in st else None)
-        d["exp_avg_sq"].append(st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None)
+        if live.zero != 0:
+            d["exp_avg"].append(st["exp_avg"].clone() if "exp_avg" in st else None)
+            d["exp_avg_sq"].append(st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None)
         s = st.get("step")
         d["step"].append(None if s is None else float(s))
+    import reshard.megatron as RM
+    d["loss_scaler"] = RM.loss_scaler_state(live.zopt)
     d["global_steps"] = int(engine.global_steps)
     d["global_samples"] = int(engine.global_samples)
     d.update(extra or {})
@@ -78,12 +92,14 @@ def consolidate(path_or_dumps, model_dict: dict, include_dead: bool = False):
     for kind in ("fp32", "exp_avg", "exp_avg_sq"):
         for d in dumps:
             shapes = {n: w.shape for n, w in d["weight"].items()}
+            if d.get("zero") == 0 and d["dp_rank"] != 0:
+                continue  # ZeRO-0: every dp rank holds the whole state; dp rank 0's is the one
             for g, grp in enumerate(d["groups"]):
                 part = d[kind][g]
                 if part is None:
                     continue
                 P = grp["partition_size"]
-                lo_p = d["dp_rank"] * P
+                lo_p = 0 if d.get("zero") == 0 else d["dp_rank"] * P
                 for name, off, n in grp["entries"]:
                     if name in d["dead"] and not include_dead:
                         continue
@@ -153,8 +169,10 @@ def scramble(engine):
     with torch.no_grad():
         for k, p in live.params.items():
             live.weight_tensor(k).fill_(float("nan"))
-        for part in live.fp32_partitions:
-            part.data.fill_(float("nan"))
+        masters = live.fp32_partitions if live.zero != 0 else [live._zero0_master(c) for c in live.params]
+        for m in masters:
+            m.data.fill_(float("nan"))
+        for part in live.state_keys:
             st = live.torch_opt.state.get(part, {})
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in st:
@@ -194,6 +212,9 @@ def main(argv=None):
                         "again to DUMP_DIR/deepspeed")
     p.add_argument("--deepspeed-tag", default=None, help="tag (step folder) for --deepspeed-load (default: latest)")
     p.add_argument("--exit-after-load", action="store_true")
+    p.add_argument("--dump-on-error", action="store_true",
+                   help="dump the live state before the load (DUMP_DIR/before); when the load raises a reshard "
+                        "error, dump it again (DUMP_DIR/after), write DUMP_DIR/error-rank<r>.txt and exit 3")
     p.add_argument("--dump-at-save", action="store_true", help="dump at each save point to DUMP_DIR/it<N>")
     ours, rest = p.parse_known_args(argv)
     from . import train, train_reshard
@@ -206,7 +227,20 @@ def main(argv=None):
     def load_and_dump(engine, args):
         if ours.scramble:
             scramble(engine)
-        it, consumed = original(engine, args)
+        if ours.dump_on_error:
+            import reshard
+            dump_engine(engine, os.path.join(ours.dump_dir, "before"))
+            try:
+                it, consumed = original(engine, args)
+            except reshard.Error as e:
+                dump_engine(engine, os.path.join(ours.dump_dir, "after"))
+                with open(os.path.join(ours.dump_dir, f"error-rank{dist.get_rank()}.txt"), "w") as f:
+                    f.write(f"{type(e).__name__}: {e}")
+                dist.barrier()
+                dist.destroy_process_group()
+                sys.exit(3)
+        else:
+            it, consumed = original(engine, args)
         extra = {"iteration": it, "consumed": consumed}
         if ours.eval:
             extra["eval_loss"], extra["logits"] = eval_logits(engine, args)

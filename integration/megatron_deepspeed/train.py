@@ -147,6 +147,10 @@ def build_parser():
     g.add_argument("--pp", type=int, default=1)
     g.add_argument("--dp", type=int, default=None, help="default: world_size / (tp*pp)")
     g.add_argument("--zero", type=int, default=1, help="ZeRO stage (pipeline: 0 or 1; --no-pipeline: 0..3)")
+    g.add_argument("--round-robin-gradients", action="store_true",
+                   help="ZeRO-1/2: DeepSpeed's round_robin_gradients (reorders each group's parameters over dp)")
+    g.add_argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false", default=True,
+                   help="ZeRO-1/2/3: contiguous_gradients off")
     g.add_argument("--no-pipeline", action="store_true",
                    help="plain DeepSpeed engine on the non-pipeline GPTModel (pp=1, any tp)")
     g = p.add_argument_group("model")
@@ -167,6 +171,12 @@ def build_parser():
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=64)
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true",
+                   help="DeepSpeed fp16 with its dynamic loss scaler (--no-pipeline only): ZeRO-0 runs "
+                        "FP16_UnfusedOptimizer, ZeRO 1-3 their own fp16 paths. DeepSpeed's CPU accelerator "
+                        "reports fp16 only where oneDNN has fp16 kernels; torch's CPU fp16 kernels run this "
+                        "model, so the trainer declares fp16 support to DeepSpeed on such a CPU")
+    g.add_argument("--initial-scale-power", type=int, default=8, help="fp16: initial loss scale 2^N")
     g.add_argument("--grad-accum-dtype", choices=["fp32", "bf16", "default"], default="fp32",
                    help="bf16 only: DeepSpeed data_types.grad_accum_dtype (fp32 -> BF16_Optimizer under ZeRO-1)")
     g.add_argument("--seed", type=int, default=1234)
@@ -206,7 +216,7 @@ def config_from_args(args, world: int) -> M.GPTConfig:
                        normalization=args.normalization, vocab_size=args.vocab_size,
                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                        seq_length=args.seq_length, position_embeddings=args.position_embeddings,
-                       bf16=args.bf16, seed=args.seed, tp=args.tp, pp=args.pp, dp=args.dp)
+                       bf16=args.bf16, fp16=args.fp16, seed=args.seed, tp=args.tp, pp=args.pp, dp=args.dp)
 
 
 def ds_config(args, gas: int) -> dict:
@@ -215,10 +225,12 @@ def ds_config(args, gas: int) -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": args.clip_grad,
-        "zero_optimization": {"stage": args.zero},
+        "zero_optimization": {"stage": args.zero, "round_robin_gradients": bool(args.round_robin_gradients),
+                              "contiguous_gradients": bool(args.contiguous_gradients)},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": bool(args.bf16)},
-        "fp16": {"enabled": False},
+        "fp16": {"enabled": bool(args.fp16), "initial_scale_power": args.initial_scale_power,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -349,6 +361,15 @@ def main(argv=None):
             raise SystemExit("--no-pipeline runs one pipeline stage (pp=1); tp and dp are free")
     elif args.zero > 1:
         raise SystemExit("DeepSpeed's PipelineEngine supports ZeRO stage 0/1 only; use --no-pipeline")
+    elif args.fp16:
+        raise SystemExit("--fp16 runs the plain engine only; add --no-pipeline")
+    if args.fp16 and args.bf16:
+        raise SystemExit("--fp16 and --bf16 exclude each other")
+    if args.fp16:
+        from deepspeed.accelerator import get_accelerator
+        acc = get_accelerator()
+        if acc.device_name() == "cpu" and not acc.is_fp16_supported():
+            type(acc).is_fp16_supported = lambda self: True  # see --fp16's help
     mb, dp = args.micro_batch, cfg.dp
     if args.global_batch % (mb * dp):
         raise SystemExit("global batch must be a multiple of micro_batch * dp")

@@ -19,15 +19,18 @@ QKV row order from the live attention code.
 
 The engine part (:class:`EngineView`, :func:`fill_engine`) is shared with the repository's
 reference trainer (integration/megatron_deepspeed/reshard_hook.py). What is filled, for DeepSpeed's
-ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer and ZeRO-3 (DeepSpeedZeroOptimizer_Stage3,
-where the weights are each rank's partitions ``param.ds_tensor``; :meth:`EngineView._init_stage3`):
+ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer, ZeRO-3 (DeepSpeedZeroOptimizer_Stage3,
+where the weights are each rank's partitions ``param.ds_tensor``; :meth:`EngineView._init_stage3`)
+and ZeRO-0 (FP16_Optimizer, FP16_UnfusedOptimizer, or the torch optimizer itself in fp32;
+:meth:`EngineView._init_zero0`):
 
 * module weights (the 16-bit copies in the optimizer's flat groups; fp32 runs keep float32 there);
 * the flat fp32 partitions (``single_partition_of_fp32_groups``), in the live optimizer's own flat
   order (offsets read from ``bit16_groups_flat``, gaps and alignment padding included);
 * exp_avg / exp_avg_sq of the torch optimizer's state per partition (created when the optimizer has
   not stepped yet, attached only after the load succeeded), and step (the checkpoint's value);
-* loss scale, LR scheduler, the engine's global_steps / global_samples / skipped_steps;
+* the loss scaler's position (cur_scale, cur_iter, last_overflow_iter, cur_hysteresis:
+  :func:`set_loss_scaler`), LR scheduler, the engine's global_steps / global_samples / skipped_steps;
 * per-rank RNG state only at an identical layout and only in reshard.rank_state's typed encoding:
   a pickled state (DeepSpeed's and Megatron's own) is never unpickled; every rank reseeds
   deterministically from (seed, iteration, rank) and the report says so.
@@ -51,7 +54,8 @@ import torch.distributed as dist
 import reshard
 
 __all__ = ["load_checkpoint", "model_config_from_args", "live_qkv_order", "pipe_canonical_name",
-           "plain_canonical_name", "EngineView", "fill_engine", "all_reduce_int", "all_reduce_float_max"]
+           "plain_canonical_name", "EngineView", "fill_engine", "all_reduce_int", "all_reduce_float_max",
+           "loss_scaler_state", "set_loss_scaler"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,11 +252,32 @@ def _is_stage3(zopt) -> bool:
                                           "fp32_partitioned_groups_flat", "sub_group_to_group_id"))
 
 
+def _zero0_kind(zopt, stage: int) -> Optional[str]:
+    """ZeRO stage 0 optimizers (no partitioning: every dp rank holds the whole state of its model
+    shard): "fused" = FP16_Optimizer (deepspeed/runtime/fp16/fused_optimizer.py: each param group
+    flattened into fp16_groups_flat, its fp32 copy fp32_groups_flat[g] the torch optimizer's one
+    parameter), "unfused" = FP16_UnfusedOptimizer (unfused_optimizer.py: one fp32 copy per
+    parameter, fp32_groups[g][k]), "torch" = the torch optimizer itself (fp32 training: the module
+    weights are the master); None for anything else."""
+    if stage != 0:
+        return None
+    if all(hasattr(zopt, a) for a in ("fp16_groups", "fp16_groups_flat", "fp32_groups_flat", "optimizer")):
+        return "fused"
+    if all(hasattr(zopt, a) for a in ("fp16_groups", "fp32_groups", "optimizer")):
+        return "unfused"
+    if isinstance(zopt, torch.optim.Optimizer):
+        return "torch"
+    return None
+
+
 def _zero_optimizer(engine):
-    """The engine's ZeRO optimizer, or its BF16_Optimizer under DeepSpeedZeroOptimizer's names.
-    Raises Unsupported for what the view does not map (named: the optimizer's type and stage)."""
+    """The engine's ZeRO optimizer, its BF16_Optimizer under DeepSpeedZeroOptimizer's names, or a
+    ZeRO-0 optimizer (:func:`_zero0_kind`). Raises Unsupported for what the view does not map
+    (named: the optimizer's type and stage)."""
     zopt = engine.optimizer
     stage = engine.zero_optimization_stage()
+    if _zero0_kind(zopt, stage) is not None:
+        return zopt
     if all(hasattr(zopt, a) for a in ("bf16_groups", "bf16_groups_flat", "fp32_groups_flat_partition",
                                       "bf16_partitioned_groups")):
         return _Bf16OptimizerView(zopt)
@@ -269,7 +294,8 @@ def _zero_optimizer(engine):
     if not all(hasattr(zopt, a) for a in needed) or stage not in (1, 2):
         raise reshard.Unsupported(
             f"reshard fills DeepSpeed's ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer), ZeRO-3 "
-            f"(DeepSpeedZeroOptimizer_Stage3) and BF16_Optimizer; this engine's optimizer is "
+            f"(DeepSpeedZeroOptimizer_Stage3), BF16_Optimizer and ZeRO-0 (FP16_Optimizer, FP16_UnfusedOptimizer, "
+            f"a torch optimizer); this engine's optimizer is "
             f"{type(zopt).__name__} (ZeRO stage {stage}, bf16 {engine.bfloat16_enabled()})")
     if getattr(zopt, "cpu_offload", False):
         raise reshard.Unsupported(f"ZeRO-{stage} with offload_optimizer: reshard fills the fp32 partitions an "
@@ -292,7 +318,8 @@ class EngineView:
                  canonical: Callable[[str], str], dead: Optional[Callable[[str, int], bool]] = None):
         self.engine = engine
         self.zopt = _zero_optimizer(engine)
-        self.torch_opt = self.zopt.optimizer
+        self.z0 = _zero0_kind(self.zopt, engine.zero_optimization_stage())
+        self.torch_opt = self.zopt if self.z0 == "torch" else self.zopt.optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.tp, self.pp, self.dp = int(tp), int(pp), int(dp)
         self.stage, self.dp_rank, self.tp_rank = int(stage), int(dp_rank), int(tp_rank)
@@ -302,7 +329,9 @@ class EngineView:
         if expect != self.rank:
             raise reshard.Unsupported(f"[rank {self.rank}] parallel grid (stage {stage}, dp {dp_rank}, tp {tp_rank}) does "
                                       f"not follow rank = (pp*dp + d)*tp + t = {expect}, the order reshard's layouts use")
-        self.zero = 3 if _is_stage3(self.zopt) else (2 if engine.zero_optimization_stage() == 2 else 1)
+        self.zero = (0 if self.z0 else 3 if _is_stage3(self.zopt) else
+                     2 if engine.zero_optimization_stage() == 2 else 1)
+        self.aliased = False  # the weights are the fp32 master's own memory (fp32 ZeRO-3 and ZeRO-0)
         self.topology = f"tp={self.tp},pp={self.pp},dp={self.dp},zero={self.zero}"
         names = {id(p): n for n, p in engine.module.named_parameters()}
         self.params: Dict[str, torch.nn.Parameter] = {}  # canonical -> live parameter
@@ -310,8 +339,14 @@ class EngineView:
         self.groups = []  # this shard's param groups: entries (canonical, offset, numel)
         if self.zero == 3:
             self._init_stage3(names, canonical, dead)
+        elif self.zero == 0:
+            self._init_zero0(names, canonical, dead)
         else:
             self._init_flat(names, canonical, dead)
+        # The tensors the torch optimizer's state is keyed by (one per flat partition, or per
+        # ZeRO-0 group / parameter).
+        if self.zero != 0:
+            self.state_keys = list(self.fp32_partitions)
         self.model = reshard.model_config(model)
         mine = {"stage": self.stage, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank, "groups": self.groups,
                 "dead": sorted(self.dead)}
@@ -367,7 +402,6 @@ class EngineView:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
         zopt = self.zopt
         self.fp32_partitions = list(zopt.fp32_partitioned_groups_flat)
-        self.aliased = False  # fp32 training: the fp32 "copy" is the 16-bit flat buffer itself
         for g, params in enumerate(zopt.fp16_groups):
             flat = zopt.fp16_partitioned_groups_flat[g]
             base, es = flat.data_ptr(), flat.element_size()
@@ -398,6 +432,44 @@ class EngineView:
                                 "partition_size": int(self.fp32_partitions[g].numel()),
                                 "no_weight_decay": wd == 0.0})
 
+    def _init_zero0(self, names, canonical, dead) -> None:
+        """ZeRO-0 (see :func:`_zero0_kind`): no partitioning; each parameter's fp32 master and
+        moments are its own range of its group's state: ``self.z0_state[canon] = (state key index,
+        element offset, numel)``, where state key k is the tensor ``torch_opt.state`` is keyed by
+        (fused: the group's flat fp32 copy; unfused: the parameter's fp32 copy; torch: the
+        parameter itself, whose memory is then both weight and master)."""
+        zopt, kind = self.zopt, self.z0
+        self.state_keys, self.z0_state = [], {}
+        self.fp32_partitions = []  # no flat partitions: the masters are per tensor (_zero0_master)
+        if kind == "torch":
+            self.aliased = True
+            groups = [list(g["params"]) for g in self.torch_opt.param_groups]
+        else:
+            groups = [list(g) for g in zopt.fp16_groups]
+        for g, params in enumerate(groups):
+            entries, at = [], 0
+            if kind == "fused":
+                self.state_keys.append(zopt.fp32_groups_flat[g])
+            for k, p in enumerate(params):
+                canon = self._name(names, p, g, canonical, dead)
+                n = int(p.numel())
+                if kind == "fused":
+                    self.z0_state[canon] = (len(self.state_keys) - 1, at, n)
+                else:
+                    self.state_keys.append(zopt.fp32_groups[g][k] if kind == "unfused" else p)
+                    self.z0_state[canon] = (len(self.state_keys) - 1, 0, n)
+                entries.append((canon, at, n))
+                at += n
+            if kind == "fused" and at != zopt.fp32_groups_flat[g].numel():
+                raise reshard.Internal(f"[rank {self.rank}] FP16_Optimizer group {g}: {at} parameter elements but its "
+                                       f"flat fp32 copy holds {zopt.fp32_groups_flat[g].numel()}")
+            wd = float(self.torch_opt.param_groups[g].get("weight_decay", 0.0))
+            self.groups.append({"entries": entries, "numel": at, "partition_size": at, "no_weight_decay": wd == 0.0})
+
+    def _zero0_master(self, canon: str) -> torch.Tensor:
+        ki, off, n = self.z0_state[canon]
+        return self.state_keys[ki].data.view(-1).narrow(0, off, n)
+
     def weight_tensor(self, canon: str) -> torch.Tensor:
         """The live tensor that holds this rank's weights of ``canon``, flat: the module parameter
         (ZeRO-1/2), or its ZeRO-3 partition (``ds_tensor``, ceil(numel / dp) elements)."""
@@ -421,6 +493,14 @@ class EngineView:
         DeepSpeed's own step writes). ``scratch``: for an fp32 ZeRO-3 run (weights and master are one
         buffer), the weights the load wrote aside, compared with the master's elements."""
         n = 0
+        if self.zero == 0:
+            for canon in self.params:
+                if not self.aliased:
+                    w = self.weight_tensor(canon)
+                    n += int((w.float() != self._zero0_master(canon).to(w.dtype).float()).sum())
+            for canon, w in (scratch or {}).items():
+                n += int((w != self.weight_tensor(canon)).sum())
+            return n
         if self.zero == 3:
             for g, params in enumerate(self.zopt.fp16_groups):
                 flat, master = self.zopt.fp16_partitioned_groups_flat[g], self.fp32_partitions[g]
@@ -479,11 +559,31 @@ class EngineView:
                 if canon not in self.params:
                     raise reshard.Internal(f"[rank {self.rank}] layout buffer {name} has no live parameter")
                 w = self.weight_tensor(canon)
-                if self.zero == 3 and self.aliased:
-                    # fp32 ZeRO-3: the weights are the master's memory; written aside, compared after.
+                if self.aliased:
+                    # fp32 ZeRO-3 / ZeRO-0 torch optimizer: the weights are the master's memory;
+                    # written aside, compared after.
                     w = torch.empty_like(w) if not for_save else w.clone()
                     created[("weight", canon)] = w
                 out[name] = w
+                continue
+            if self.zero == 0:  # per-tensor buffers "<kind>/<canonical>"
+                canon = name[len(kind) + 1:]
+                if canon not in self.z0_state:
+                    raise reshard.Internal(f"[rank {self.rank}] layout buffer {name} has no live parameter")
+                ki, off, n = self.z0_state[canon]
+                if kind == "fp32":
+                    out[name] = self._zero0_master(canon)
+                    continue
+                key = self.state_keys[ki]
+                t = self.torch_opt.state.get(key, {}).get(kind)
+                if t is None:
+                    t = created.get((ki, kind))
+                if t is None:
+                    if not create_missing_state:
+                        raise reshard.FailedPrecondition(f"[rank {self.rank}] optimizer has no {kind} for {canon}")
+                    t = torch.zeros_like(key.data, memory_format=torch.contiguous_format)
+                    created[(ki, kind)] = t
+                out[name] = t.view(-1).narrow(0, off, n)
                 continue
             g = b["group"]
             part = self.fp32_partitions[g]
@@ -502,7 +602,7 @@ class EngineView:
 
     def optimizer_step(self) -> int:
         steps = set()
-        for part in self.fp32_partitions:
+        for part in self.state_keys:
             st = self.torch_opt.state.get(part, {})
             if "step" in st:
                 s = st["step"]
@@ -510,6 +610,57 @@ class EngineView:
         if len(steps) > 1:
             raise reshard.DataLoss(f"[rank {self.rank}] optimizer groups have different steps {sorted(steps)}")
         return steps.pop() if steps else 0
+
+
+_LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _live_loss_scaler(zopt):
+    """The object holding the live loss scaler's state: DeepSpeedZeroOptimizer / Stage3's
+    ``loss_scaler`` (a DynamicLossScaler or LossScaler), FP16_Optimizer / FP16_UnfusedOptimizer's
+    ``loss_scale_config`` (DeepSpeed 0.19); None for optimizers without one (BF16, fp32)."""
+    for attr in ("loss_scale_config", "loss_scaler"):
+        obj = getattr(zopt, attr, None)
+        if obj is not None and hasattr(obj, "cur_scale"):
+            return obj
+    return None
+
+
+def loss_scaler_state(zopt) -> Optional[dict]:
+    """The live loss scaler's position, as saved by reshard_save: cur_scale, and where the scaler
+    has them cur_iter, last_overflow_iter, cur_hysteresis (ints) and dynamic (bool); None without
+    a loss scaler."""
+    obj = _live_loss_scaler(zopt)
+    if obj is None:
+        return None
+    out = {"cur_scale": float(obj.cur_scale)}
+    for k in _LOSS_SCALER_FIELDS[1:]:
+        if hasattr(obj, k):
+            out[k] = int(getattr(obj, k))
+    out["dynamic"] = bool(getattr(obj, "dynamic", getattr(obj, "dynamic_loss_scale", getattr(zopt, "dynamic_loss_scale",
+                                                                                            False))))
+    return out
+
+
+def set_loss_scaler(zopt, saved) -> dict:
+    """Sets the live loss scaler's position from a checkpoint's: ``saved`` is the global JSON's
+    ``loss_scaler`` (DeepSpeed's pickled DynamicLossScaler, read as {"state": {...}}; FP16
+    optimizers' cur_scale / cur_iter / last_overflow_iter fields; reshard_save's dict). Each of
+    cur_scale, cur_iter, last_overflow_iter, cur_hysteresis that both sides have is carried; the
+    scaler's configuration (scale_window, scale_factor, min_scale) stays the running job's.
+    Returns {field: value} carried ({} when either side has no loss scaler)."""
+    if isinstance(saved, dict) and isinstance(saved.get("state"), dict):  # a pickled LossScaler object
+        saved = saved["state"]
+    obj = _live_loss_scaler(zopt)
+    if not isinstance(saved, dict) or obj is None or "cur_scale" not in saved:
+        return {}
+    out = {}
+    for k in _LOSS_SCALER_FIELDS:
+        v = saved.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and hasattr(obj, k):
+            setattr(obj, k, type(getattr(obj, k))(v) if k != "cur_scale" else float(v))
+            out[k] = getattr(obj, k)
+    return out
 
 
 def _collective_device() -> torch.device:
@@ -589,7 +740,7 @@ def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policie
     # Only now, after every tensor was written: attach new state, set step and global state.
     view.after_write()
     step_value = int(src_state["step"])
-    for g, part in enumerate(view.fp32_partitions):
+    for g, part in enumerate(view.state_keys):
         st = opt.state[part]
         for (gg, kind), t in created.items():
             if gg == g:
@@ -598,11 +749,9 @@ def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policie
         dtype = old.dtype if torch.is_tensor(old) else torch.float32
         device = old.device if torch.is_tensor(old) else torch.device("cpu")
         st["step"] = torch.tensor(float(step_value), dtype=dtype, device=device)
-    ls = glob.get("loss_scaler")
-    if isinstance(ls, dict) and isinstance(ls.get("state"), dict):  # DeepSpeed's LossScaler object
-        ls = ls["state"]
-    if isinstance(ls, dict) and "cur_scale" in ls and hasattr(zopt, "loss_scaler"):
-        zopt.loss_scaler.cur_scale = ls["cur_scale"]
+    carried = set_loss_scaler(zopt, glob.get("loss_scaler"))
+    if carried:
+        report["loss_scaler"] = carried
     if sched is not None and glob.get("lr_scheduler") is not None:
         sched.load_state_dict(glob["lr_scheduler"])
     elif sched is not None:
