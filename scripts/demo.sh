@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: train a Megatron-DeepSpeed-style GPT at tp=2,pp=2,dp=2, save, restart at
-# tp=1,pp=2,dp=4 and tp=4,pp=1,dp=2 with reshard resharding weights and optimizer state on the
-# fly, train on, and compare with the uninterrupted run. Writes demo_out/report.json and a PNG.
+# tp=1,pp=2,dp=4, tp=4,pp=1,dp=2 and ZeRO-3 dp=4 with reshard resharding weights and optimizer
+# state on the fly, train on, and compare with the uninterrupted run. Writes demo_out/report.json
+# and a PNG.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
