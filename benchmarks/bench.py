@@ -14,7 +14,9 @@
 3. Loads under several target layouts: reshard (`reshard bench load` under mpirun -np K; from the
    native files, and from the DeepSpeed files when the reader can open them), DCP's own load with
    resharding, DeepSpeed Universal Checkpointing (ds_to_universal + universal load; time to resume
-   includes the conversion).
+   includes the conversion). A ZeRO-3 case (--zero3, default dp=4 -> dp=2, which DeepSpeed's own
+   load refuses): the plain DeepSpeedEngine saves, reshard loads from its files, UCP converts and
+   loads into a ZeRO-3 engine.
    Warm measurements run first, while the native files' pages are those their writer left in the
    page cache (2 MiB folios where the filesystem has large folios: a restart right after a save);
    cold ones last (each evicts the files first). `reshard_pread_pages` is one warm load after the
@@ -183,6 +185,7 @@ class Bench:
         self.info = {}
         cores = os.cpu_count() or 1
         self.cores = cores
+        self.zero3_source, _, self.zero3_target = (a.zero3 or "").partition("->")
 
     # -- helpers ---------------------------------------------------------------------------------
     def env_for(self, ranks):
@@ -251,7 +254,25 @@ class Bench:
         with open(os.path.join(self.ds, "latest")) as f:
             self.ds_tag = f.read().strip()
 
+    def save_deepspeed_zero3(self):
+        """The ZeRO-3 case: the plain DeepSpeedEngine (GPTModel) at the --zero3 source layout."""
+        src = parse_layout(self.zero3_source)
+        self.ds3 = os.path.join(self.data, "deepspeed_zero3")
+        shutil.rmtree(self.ds3, ignore_errors=True)
+        cmd = mpirun(src["world"]) + [
+            PY, "-m", "integration.megatron_deepspeed.train", "--no-pipeline", "--tp", str(src["tp"]), "--pp", "1",
+            "--dp", str(src["dp"]), "--zero", "3", "--steps", "1", "--save", self.ds3, "--quiet",
+            "--micro-batch", "1", "--global-batch", str(src["dp"])
+        ] + self.model.trainer_flags()
+        _, _, dt = self.r.run(cmd, "save-deepspeed-zero3", env=self.env_for(src["world"]))
+        self.info["write_seconds"]["deepspeed_zero3"] = dt
+        with open(os.path.join(self.ds3, "latest")) as f:
+            self.ds3_tag = f.read().strip()
+        self.ds3_ok = True
+
     def data_files(self, fmt):
+        if fmt == "deepspeed-zero3":
+            return [p for p in files_under(os.path.join(self.ds3, self.ds3_tag)) if os.path.getsize(p) > 0]
         if fmt == "native":
             with open(os.path.join(self.native, "latest")) as f:
                 d = os.path.join(self.native, f.read().strip())
@@ -304,12 +325,13 @@ class Bench:
                  peak_rss_bytes=j["peak_rss_bytes"], threads=j["threads"], seconds_all=j["seconds_all"])
 
     # -- 3. loads --------------------------------------------------------------------------------
-    def reshard_load(self, fmt, path, target, cache, system="reshard", extra=(), repeat=None):
+    def reshard_load(self, fmt, path, target, cache, system="reshard", extra=(), repeat=None, source=None):
         K = parse_layout(target)["world"]
+        source = source or self.a.source
         repeat = repeat or (self.a.repeat if cache == "warm" else self.a.cold_repeat)
         cmd = mpirun(K) + [self.bin, "bench", "load", path, "--target", target, "--repeat", str(repeat),
                            "--memory-budget", self.a.memory_budget] + list(extra)
-        if fmt == "deepspeed":
+        if fmt.startswith("deepspeed"):
             cmd += ["--model", self.model_yaml]
         if cache == "cold":
             cmd.append("--cold")
@@ -322,8 +344,8 @@ class Bench:
             runs = runs[1:]
         secs = [j["seconds"] for j in runs]
         m = runs[0]
-        e = self.add(system=system, case=f"{cache} {fmt} {short_layout(self.a.source)}->{short_layout(target)}",
-                     cache=cache, source_format=fmt, source_layout=self.a.source, target_layout=target, ranks=K,
+        e = self.add(system=system, case=f"{cache} {fmt} {short_layout(source)}->{short_layout(target)}",
+                     cache=cache, source_format=fmt, source_layout=source, target_layout=target, ranks=K,
                      seconds=median(secs), seconds_all=secs, gbps=m["target_bytes"] / median(secs) / 1e9,
                      target_bytes=m["target_bytes"], bytes_read=m["bytes_read"], bytes_needed=m["bytes_needed"],
                      read_amplification=m["read_amplification"],
@@ -379,29 +401,34 @@ class Bench:
         if cache == "cold":
             e["resident_fraction_after_evict"] = j.get("resident_fraction_after_evict")
 
-    def ucp_convert(self):
-        uni_tag = self.ds_tag + "_universal"
-        out = os.path.join(self.ds, uni_tag)
+    def ucp_convert(self, root=None, tag=None, key="ucp_convert_seconds"):
+        root, tag = root or self.ds, tag or self.ds_tag
+        uni_tag = tag + "_universal"
+        out = os.path.join(root, uni_tag)
         shutil.rmtree(out, ignore_errors=True)
         workers = str(max(1, self.cores))
         _, _, dt = self.r.run([PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               os.path.join(self.ds, self.ds_tag), "--output_folder", out, "--num_extract_workers",
-                               workers, "--num_merge_workers", workers], "ucp-convert", env=self.env_for(1))
-        with open(os.path.join(self.ds, "latest_universal"), "w") as f:
+                               os.path.join(root, tag), "--output_folder", out, "--num_extract_workers",
+                               workers, "--num_merge_workers", workers], key.replace("_seconds", "").replace("_", "-"),
+                              env=self.env_for(1))
+        with open(os.path.join(root, "latest_universal"), "w") as f:
             f.write(uni_tag)
-        self.ucp_convert_seconds = dt
-        self.info["ucp_convert_seconds"] = dt
-        self.info["ucp_universal_bytes"] = sum(os.path.getsize(p) for p in files_under(out))
+        setattr(self, key, dt)
+        self.info[key] = dt
+        self.info[key.replace("_seconds", "_universal_bytes")] = sum(os.path.getsize(p) for p in files_under(out))
 
-    def ucp_load(self, target):
+    def ucp_load(self, target, root=None, convert_seconds=None, source=None, fmt="deepspeed"):
         K = parse_layout(target)["world"]
-        cmd = mpirun(K) + [PY, "-m", "benchmarks.ds_worker", self.ds, "--target", target] + self.model.trainer_flags()
+        root = root or self.ds
+        source = source or self.a.source
+        convert_seconds = self.ucp_convert_seconds if convert_seconds is None else convert_seconds
+        cmd = mpirun(K) + [PY, "-m", "benchmarks.ds_worker", root, "--target", target] + self.model.trainer_flags()
         _, out, _ = self.r.run(cmd, f"ucp-load-{short_layout(target)}", env=self.env_for(K))
         j = json_lines(out)[-1]
-        total = self.ucp_convert_seconds + j["seconds"]
-        self.add(system="ucp", case=f"warm deepspeed {short_layout(self.a.source)}->{short_layout(target)}",
-                 cache="warm", source_format="deepspeed", source_layout=self.a.source, target_layout=target, ranks=K,
-                 seconds=total, conversion_seconds=self.ucp_convert_seconds, load_seconds=j["seconds"],
+        total = convert_seconds + j["seconds"]
+        self.add(system="ucp", case=f"warm {fmt} {short_layout(source)}->{short_layout(target)}",
+                 cache="warm", source_format=fmt, source_layout=source, target_layout=target, ranks=K,
+                 seconds=total, conversion_seconds=convert_seconds, load_seconds=j["seconds"],
                  gbps=j["target_bytes"] / total / 1e9, target_bytes=j["target_bytes"], bytes_read=j.get("bytes_read"),
                  bytes_needed=self.model.state_bytes(),
                  read_amplification=(j["bytes_read"] / self.model.state_bytes()) if j.get("bytes_read") else None,
@@ -540,6 +567,26 @@ class Bench:
                 S.append((f"UCP load {short_layout(t)}", lambda t=t: self._if_ds(lambda: self._guard(
                     f"ucp load {short_layout(t)}", lambda: self.ucp_load(t)) if hasattr(self, "ucp_convert_seconds")
                     else None)))
+            if self.zero3_source:  # ZeRO-3 (DeepSpeed's FSDP) at another dp: reshard beside UCP
+                t3 = self.zero3_target
+                S.append(("DeepSpeed ZeRO-3 save", lambda: self._if_ds(lambda: self._guard(
+                    "deepspeed zero3 save", self.save_deepspeed_zero3))))
+                S.append(("read ceilings (deepspeed ZeRO-3)", lambda: self._if_ds3(
+                    lambda: self.ceilings("deepspeed-zero3", ["warm"]))))
+                S.append((f"reshard warm deepspeed ZeRO-3 {short_layout(t3)}", lambda: self._if_ds3(lambda: self._guard(
+                    f"reshard from deepspeed zero3 files {short_layout(t3)}", lambda: self.reshard_load(
+                        "deepspeed-zero3", self.ds3, t3, "warm", source=self.zero3_source)))))
+                S.append((f"reshard_verify_full warm deepspeed ZeRO-3 {short_layout(t3)}", lambda: self._if_ds3(
+                    lambda: self._guard(f"reshard_verify_full from deepspeed zero3 files {short_layout(t3)}",
+                                        lambda: self.reshard_load("deepspeed-zero3", self.ds3, t3, "warm",
+                                                                  "reshard_verify_full", ["--verify", "full"],
+                                                                  source=self.zero3_source)))))
+                S.append(("UCP ZeRO-3 conversion", lambda: self._if_ds3(lambda: self._guard(
+                    "ucp zero3 conversion", lambda: self.ucp_convert(self.ds3, self.ds3_tag, "ucp_zero3_convert_seconds")))))
+                S.append((f"UCP ZeRO-3 load {short_layout(t3)}", lambda: self._if_ds3(lambda: self._guard(
+                    f"ucp zero3 load {short_layout(t3)}", lambda: self.ucp_load(
+                        t3, self.ds3, self.ucp_zero3_convert_seconds, self.zero3_source, "deepspeed-zero3"))
+                    if hasattr(self, "ucp_zero3_convert_seconds") else None)))
         # Cold: each measurement evicts the files' pages first.
         S.append(("read ceilings cold (native)", lambda: self.ceilings("native", ["cold"])))
         # The cold read ceiling brought the native files back through pread's read-ahead (small
@@ -576,6 +623,10 @@ class Bench:
 
     def _if_ds(self, fn):
         if self.ds_ok:
+            return fn()
+
+    def _if_ds3(self, fn):
+        if getattr(self, "ds3_ok", False):
             return fn()
 
     def run(self):
@@ -747,6 +798,9 @@ def main(argv=None):
     ap.add_argument("--plan-bench", default=os.path.join(REPO, "build", "bin", "plan_bench"))
     ap.add_argument("--skip-dcp", action="store_true")
     ap.add_argument("--skip-deepspeed", action="store_true")
+    ap.add_argument("--zero3", default="tp=1,pp=1,dp=4,zero=3->tp=1,pp=1,dp=2,zero=3",
+                    help="SOURCE->TARGET of the ZeRO-3 case (the plain DeepSpeedEngine saves SOURCE; reshard and UCP "
+                         "load TARGET); '' skips it")
     ap.add_argument("--keep-data", action="store_true")
     ap.add_argument("--no-adjacent-ceiling", action="store_true",
                     help="ratios against the run's one warm read ceiling instead of one measured right before "

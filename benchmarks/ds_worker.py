@@ -4,7 +4,8 @@
 
 ROOT holds a DeepSpeed save written by integration/megatron_deepspeed/train.py and, after
 `python -m deepspeed.checkpoint.ds_to_universal`, a universal folder named by ROOT/latest_universal.
-Builds the reference trainer's engine (PipelineModule, bf16 + BF16_Optimizer) at the target layout
+Builds the reference trainer's engine (PipelineModule, bf16 + BF16_Optimizer; ZeRO-2/3 targets: the
+plain DeepSpeedEngine on GPTModel) at the target layout
 with checkpoint.load_universal = true and times engine.load_checkpoint (weights, fp32 master,
 exp_avg, exp_avg_sq, LR scheduler). Rank 0 prints one JSON line: seconds, peak RSS (max over ranks).
 """
@@ -35,26 +36,34 @@ def main(argv=None):
     ds_logger.setLevel(logging.WARNING)
     d = dict(kv.split("=") for kv in target.split(","))
     tp, pp, dp, zero = int(d.get("tp", 1)), int(d.get("pp", 1)), int(d.get("dp", 1)), int(d.get("zero", 1))
+    plain = zero >= 2  # ZeRO-2/3 run the plain DeepSpeedEngine on GPTModel (pp=1)
     args = T.build_parser().parse_args(argv + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero", str(zero),
-                                              "--global-batch", str(2 * dp), "--micro-batch", "2"])
+                                              "--global-batch", str(2 * dp), "--micro-batch", "2"] +
+                                       (["--no-pipeline"] if plain else []))
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = T.config_from_args(args, world)
     topo = PipeModelDataParallelTopology(num_pp=cfg.pp, num_mp=cfg.tp, num_dp=cfg.dp)
     M.init_tensor_parallel(topo)
-    net = M.build_gpt_pipe(cfg, topo)
+    mpu = None
+    if plain:
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+        net = M.GPTModel(cfg)
+        mpu = PipelineParallelGrid(topology=topo) if cfg.tp > 1 else None
+    else:
+        net = M.build_gpt_pipe(cfg, topo)
     groups = M.get_param_groups(net, args.weight_decay)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
     conf = T.ds_config(args, 1)
     conf["checkpoint"] = {"load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=conf)
-    live = sum(p.numel() * p.element_size() for p in engine.module.parameters())
-    try:  # fp32 master partitions and moments (BF16_Optimizer)
-        for g in engine.optimizer.fp32_groups_flat_partition:
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=conf, mpu=mpu)
+    # This rank's 16-bit weights (ZeRO-3: its partitions), fp32 master partitions and moments.
+    live = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
+               for p in engine.module.parameters())
+    for attr in ("fp32_groups_flat_partition", "fp32_partitioned_groups_flat"):  # BF16_Optimizer, ZeRO-3
+        for g in getattr(engine.optimizer, attr, []) or []:
             live += 3 * g.numel() * g.element_size()
-    except AttributeError:
-        pass
     def rchar():
         with open("/proc/self/io") as f:
             return int(next(l for l in f if l.startswith("rchar:")).split()[1])
@@ -79,7 +88,7 @@ def main(argv=None):
                           "path": path}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    # The result is out. Skip interpreter teardown: in one run of 2026-11-30 a rank aborted there
+    # The result is out. Skip interpreter teardown: in one measurement a rank aborted there
     # ("terminate called without an active exception", a thread still alive at exit) after
     # reporting, and the bench counted the finished load as failed.
     sys.stdout.flush()
