@@ -226,7 +226,7 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   // checks nothing under "free"). Counted fragment by fragment (bytes_unchecked), not as the
   // difference of two totals: bytes_verified counts checks, and a unit the memory budget cut is
   // checked once per rank that reads it when reads are not node-local, which made it exceed the
-  // bytes read and hid this note while cut pieces went unchecked (session 14 tester).
+  // bytes read and hid this note while cut pieces went unchecked.
   const uint64_t from_storage = r.bytes_read - std::min(r.bytes_read, r.bytes_reread_on_node);
   if (eo.verify == VerifyMode::kFree && r.bytes_unchecked > 0) {
     std::ostringstream os;

@@ -105,7 +105,7 @@ double evict_files(const std::vector<std::string>& files) {
 // A page-aligned allocation of n bytes (at least one page), freed with std::free. The ceilings
 // read and copy into page-aligned memory: `rep movsb`, which glibc's memcpy and the kernel's copy
 // to user memory (pread) use, runs about 3x slower on this machine's CPU when destination and
-// source differ by an offset that is not a multiple of 64 bytes (measured session 14: 2.2-2.8 GB/s
+// source differ by an offset that is not a multiple of 64 bytes (measured: 2.2-2.8 GB/s
 // at offsets 1, 8 and 16 against 8-9 GB/s at 0 and 64-4032, 1 MiB copies, one core). new[] of
 // a large block returns memory 16 bytes past a page boundary, which had slowed the read ceiling
 // of files read back to back into it: 0.21-0.32 s against 0.11-0.14 s for the 1.88 GB of /tmp/p8n.

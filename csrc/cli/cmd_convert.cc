@@ -343,7 +343,7 @@ Command convert_command() {
         // What no check covered, fragment by fragment: simulate_plan reads a dense fragment in one
         // read, which is checked when it is one whole piece; every other fragment is not. (Summing
         // the checked reads counted replica comparisons' reads too, and hid a corrupted byte the
-        // re-cut left unchecked: session 14 tester.)
+        // re-cut left unchecked.)
         uint64_t unchecked = 0;
         for (const Fragment& f : plan.fragments)
           if (a->verify != "free" || !box_is_dense(f.box, f.src_strides) ||

@@ -135,8 +135,8 @@ Command verify_command() {
                     checked.c_str());
       else if (!ckpt)
         // The open failed on the first damaged file it met: whether other files are missing or
-        // damaged, and what the files cover, is unknown (session 15 tester: "0 missing file(s)"
-        // was printed for a folder that also lacked a file).
+        // damaged, and what the files cover, is unknown (printing "0 missing file(s)" here would be
+        // wrong for a folder that also lacked a file).
         std::printf("FAILED: the checkpoint could not be opened (%zu problem(s) above); missing files, coverage and "
                     "the other files were not checked\n",
                     problems.size());

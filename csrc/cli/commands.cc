@@ -34,7 +34,7 @@ std::vector<int> same_pp_stages(const Layout& source, const Topology& target) {
 
 uint64_t parse_size(const std::string& s, const char* what) {
   // Exact, in integers: digits, an optional fraction (with a unit: 1.5GiB), an optional unit. A
-  // double lost bytes above 2^53 and took "4096.5" and " 4096" (session 14 tester).
+  // double lost bytes above 2^53 and took "4096.5" and " 4096".
   size_t i = 0;
   unsigned __int128 whole = 0, frac = 0, scale = 1;
   const size_t digits_at = i;

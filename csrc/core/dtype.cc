@@ -166,7 +166,7 @@ template <typename From>
 double load_as_double(const From* p, size_t i) { return double(p[i]); }
 
 // A finite value that became +-inf in a narrower type: the value does not fit, and loading it
-// as inf would be a wrong value that no checksum catches (session 13 tester: bf16 1e6 into an
+// as inf would be a wrong value that no checksum catches (bf16 1e6 into an
 // f16 model loaded as inf with every check passing).
 [[noreturn]] void overflow(double v, DType to) {
   fail(ErrorCode::kInvalidArgument, "a value of ", v, " does not fit in ", dtype_name(to), " (largest finite ",

@@ -436,7 +436,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   {
     // Optimizer state the checkpoint holds for a tensor whose state the target places nowhere
     // (a trainer's param groups that leave the tensor out: a frozen parameter, or groups built
-    // wrong). Without this it was not loaded and nothing said so (session 16 tester).
+    // wrong). Without this it was not loaded and nothing said so.
     std::vector<char> placed(target.arrays.size(), 0);
     for (const Piece& pc : target.pieces) placed[size_t(pc.array)] = 1;
     std::vector<std::string> unplaced;

@@ -35,11 +35,11 @@ constexpr uint64_t kCheckSlabBytes = 256 << 10;
 // Granularity of dropping source pages from a file mapping: a multiple of the PMD size on x86-64
 // and arm64 (2 MiB with 4 KiB pages), the unit the kernel maps 2 MiB page-cache folios in.
 // Dropping part of a PMD-mapped region unmaps all of it, so a neighbour still being copied would
-// fault it in again. 16 MiB rather than 2 MiB (session 15): each drop is an madvise that flushes
+// fault it in again. 16 MiB rather than 2 MiB: each drop is an madvise that flushes
 // the TLBs of every core running one of this process's copy threads, and eight times fewer of
 // them took the 2 GB pipeline target from 0.207 to 0.190 s (8 interleaved rounds; tp merge
 // 0.184 -> 0.178 s, 8-rank split 0.206 -> 0.201 s, dp shrink no change) for 20-54 MB more peak
-// RSS (at most one undropped chunk per copy in flight), docs/benchmarks.md "Session 15".
+// RSS (at most one undropped chunk per copy in flight).
 constexpr uint64_t kDropChunkBytes = uint64_t(16) << 20;
 
 // Which file-mapping chunks this rank's copies of one wave read, and how many of their bytes are
@@ -498,7 +498,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   // Where the stored checksum is XXH3-64 (native files), `hash` is the fragment's Xxh3Range: use()
   // copies the slab through it (one loop that copies and hashes, the hash reading what the copy
   // just loaded), and whatever it did not pass through is hashed after it, from cache. Otherwise
-  // `hash` is null and the slab goes to the reader's check after use() copied it. Session 14:
+  // `hash` is null and the slab goes to the reader's check after use() copied it. Measured:
   // 1 GiB in 256 KiB slabs on 2 threads, copy alone 16.2-19.1 GB/s, copy then libxxhash's AVX2
   // XXH3 of the slab 14.2-15.5, the fused loop 15.1-17.9 (the older comparison, hashing before
   // copying, read the slab from memory with no store in flight: 13.4-14.1 against 16.8-17.5).

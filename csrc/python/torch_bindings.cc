@@ -303,7 +303,7 @@ std::vector<void*> buffer_pointers(const Layout& L, int rank, const std::vector<
            " elements but the layout says ", b.numel);
     // The storage must hold the tensor's bytes from its offset: a storage shrunk with
     // untyped_storage().resize_() (as FSDP frees parameters) keeps the tensor's size, and writing
-    // its numel would run past the allocation (session 13 tester: heap corruption).
+    // its numel would run past the allocation (heap corruption).
     const uint64_t need = (uint64_t(t.storage_offset()) + uint64_t(t.numel())) * uint64_t(t.element_size());
     const uint64_t have = uint64_t(t.storage().nbytes());
     if (b.numel > 0 && (need > have || t.storage().data() == nullptr))

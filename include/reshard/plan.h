@@ -115,8 +115,8 @@ struct ReplicaSource {
 /// they are read, which a cut piece is not, so `checker`, a rank that reads the range's first
 /// fragment, reads it whole and checks it in the pre-flight when the range is exactly one
 /// checksummed unit (one checker per range and machine that reads it). Without this, how much
-/// "free" checks would depend on the budget: a fresh-clone tester loaded a corrupted 123 MB
-/// embedding on 8 dp ranks at the default 1 GiB budget.
+/// "free" checks would depend on the budget: a corrupted 123 MB embedding loaded unchecked on
+/// 8 dp ranks at the default 1 GiB budget.
 struct BudgetSplit {
   int32_t file = 0;
   uint64_t byte_base = 0;

@@ -19,8 +19,7 @@ namespace reshard {
 struct LoadOptions {
   PlanOptions plan;
   /// Threads per rank that read, check and copy (1..1024; else Error(kInvalidArgument)). On the
-  /// 2-core benchmark machine 1, 2 and 4 were within noise even at 8 ranks (docs/benchmarks.md,
-  /// History, session 11).
+  /// 2-core benchmark machine 1, 2 and 4 were within noise even at 8 ranks.
   int io_threads = 4;
   /// Checksum checks while loading (units: native pieces with their xxh3-64, DeepSpeed zip records
   /// with their CRC-32; see ChecksumUnit):

@@ -281,8 +281,8 @@ def communicator(group=None) -> "Communicator":
 
     End the job with ``torch.distributed.destroy_process_group()`` (as torch asks): a script under
     mpirun with gloo that loaded and saved and then exited without it aborted at interpreter exit
-    ("terminate called without an active exception", exit 134) in 1 of 15 runs (0 of 12 with it;
-    session 12), after every rank had finished and the checkpoint was complete: torch's gloo
+    ("terminate called without an active exception", exit 134) in 1 of 15 runs (0 of 12 with it),
+    after every rank had finished and the checkpoint was complete: torch's gloo
     teardown without that call (pytorch/pytorch#190489)."""
     from ._comm import ProcessGroupComm
     return _C.torch_communicator(ProcessGroupComm(group))

@@ -365,7 +365,7 @@ TEST(MpiLoad, RanksThatOpenedDifferentStepsFailEveryRankBeforeAnyWrite) {
 }
 
 // verify="free" checks every stored piece the layout change reads whole, also one the memory
-// budget cuts into several fragments (a fresh-clone tester loaded a corrupted piece on every
+// budget cuts into several fragments (a corrupted piece used to load unchecked on every
 // rank that way): the piece is read whole and checked in the pre-flight, so a flipped byte fails
 // every rank before any write, whether ranks of a machine read their own copies, exchange them,
 // or each read all they need.
@@ -411,8 +411,8 @@ TEST(MpiLoad, FlippedByteInAPieceTheBudgetSplitsFailsEveryRankBeforeAnyWrite) {
 // Machines may each read their own copy of a save (node-local disks). A corrupted piece in one
 // copy must fail the load on every rank before any write, under verify="full" (one checker per
 // unit and machine that reads it) and under verify="free" when the budget cuts the piece (one
-// pre-flight checker per cut piece and machine that reads any of it). A fresh-clone tester loaded
-// the corrupted values with both: the only checker was on the machine with the clean copy.
+// pre-flight checker per cut piece and machine that reads any of it). The corrupted values used to
+// load with both: the only checker was on the machine with the clean copy.
 // Ranks of odd rank read copy b (corrupted), the others copy a; they count as two machines. A
 // load may also succeed when no rank takes the piece's bytes from copy b; then every value must
 // be the clean copy's.
@@ -516,7 +516,7 @@ TEST(MpiLoad, WeightsThatDifferFromTheirMasterFailFullVerifyOnEveryRankBeforeAny
 
 // Under replica policy "average" the other saved copies of a replicated tensor are read and
 // averaged in; when the budget cuts the tensor they are read chunk by chunk too, and were never
-// checked: a fresh-clone tester loaded a corrupted copy averaged in (|diff| 1e37). The pre-flight
+// checked: a corrupted copy loaded averaged in (|diff| 1e37). The pre-flight
 // now checks the replica copies of a cut piece as well.
 TEST(MpiLoad, ACorruptedReplicaAveragedInAPieceTheBudgetCutsFailsBeforeAnyWrite) {
   Communicator& comm = world();
@@ -579,8 +579,8 @@ TEST(MpiLoad, MissingRankFileFailsEveryRankBeforeAnyWrite) {
 
 // A collective save whose ranks were given different layouts (here rank 1's model is named
 // differently): rank 0 writes metadata.json from its own layout and every rank records its own
-// layout's digest, so the step would never open (session 12 tester: the save returned on every
-// rank, the open then blamed an edit). Refused on every rank before anything is written.
+// layout's digest, so the step would never open (the save returned on every rank, the open
+// then blamed an edit). Refused on every rank before anything is written.
 TEST(MpiLoad, ACollectiveSaveOfDifferentLayoutsFailsEveryRank) {
   Communicator& comm = world();
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
@@ -743,7 +743,7 @@ TEST(MpiLoad, RanksWithDifferentVerifyModesFailEveryRankBeforeAnyWrite) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
-// The "did not check" note and bytes_unchecked count fragments, not totals (session 14 tester):
+// The "did not check" note and bytes_unchecked count fragments, not totals:
 // with reads that are not node-local and a budget that cuts pieces, each reading rank checks the
 // cut pieces in the pre-flight, so bytes_verified exceeded bytes_read and the note, decided from
 // the two totals, vanished while the ZeRO re-cut left pieces unchecked.

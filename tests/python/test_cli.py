@@ -150,7 +150,7 @@ def test_synth_refuses_a_negative_seed(tmp_path):
 
 
 def test_one_process_convert_warns_about_pieces_a_zero_re_cut_leaves_unchecked(tmp_path):
-    """A session 14 tester: tp=2,dp=3 -> tp=1,dp=3 in one process re-cuts ZeRO partitions inside
+    """tp=2,dp=3 -> tp=1,dp=3 in one process re-cuts ZeRO partitions inside
     pieces, which "free" cannot check, but the warning was computed as "read minus checked" and the
     replica comparisons' checked reads made up the difference: a corrupted byte reached the output
     with no warning. The warning now counts the fragments no check covers."""
@@ -175,7 +175,7 @@ def test_one_process_convert_warns_about_pieces_a_zero_re_cut_leaves_unchecked(t
     ("-65536", "is not a size"), ("65536.5", "is not a whole number of bytes"),
     ("1.0001MiB", "is not a whole number of bytes"), ("0", "must be positive"), ("0.0GiB", "must be positive")])
 def test_sizes_are_parsed_exactly_or_refused(budget, says):
-    """Sizes are parsed in integers. A 2^64 used to wrap (a tester's became "memory budget 0 bytes
+    """Sizes are parsed in integers. A 2^64 used to wrap (it became "memory budget 0 bytes
     is below the minimum"), and parsing through a double took "4096.5", " 4096" and 2^53 + 1."""
     r = run("plan", "--model", ROOT / "configs/models/tiny-gpt.yaml", "--source", "tp=1", "--target", "tp=2",
             "--memory-budget", budget)
@@ -198,7 +198,7 @@ def test_sizes_with_a_fraction_and_a_unit_are_whole_bytes():
     (["read-ceiling", "FILE", "--chunk", "1000"], "must be a positive multiple of 4096 bytes"),
     (["read-ceiling", "FILE", "--chunk", "9007199254740993"], "must be a positive multiple of 4096 bytes")])
 def test_bench_ceilings_refuse_sizes_and_threads_they_cannot_use(tmp_path, args, says):
-    """A session 14 tester crashed both ceilings: a size that wrapped to 0 when rounded up to a page
+    """What used to crash both ceilings: a size that wrapped to 0 when rounded up to a page
     (segfault), an allocation failing inside a worker thread and 100000 threads (aborts)."""
     f = tmp_path / "f.bin"
     f.write_bytes(b"x" * 10000)
@@ -245,7 +245,7 @@ def test_text_read_from_files_prints_on_one_line(tmp_path):
 
 
 def test_odd_latest_files_and_file_size_limit_get_clear_errors(tmp_path):
-    """Session 13 tester: a `latest` linked to a long file printed 4 KB of it; a `latest` folder was
+    """A `latest` linked to a long file printed 4 KB of it; a `latest` folder was
     reported as "no `latest` file"; under `ulimit -f` synth died of SIGXFSZ with no message."""
     ck = tmp_path / "ck"
     assert run("synth", ck, "--model", "tiny-gpt", "--layout", "tp=1,dp=1,zero=0").returncode == 0

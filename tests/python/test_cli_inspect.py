@@ -124,8 +124,8 @@ def test_stats_show_a_zeroed_shard(tmp_path):
     assert head["stats"]["weight"]["zero_fraction"] == pytest.approx(0.5)
     assert head["stats"]["fp32"]["zero_fraction"] == 0
     # --stats reads every byte, so it checks the stored checksums too: statistics of corrupted
-    # bytes look plausible, the problem list says they are corrupted (a fresh-clone tester saw
-    # shifted statistics with "problems: []").
+    # bytes look plausible, the problem list says they are corrupted (it used to show shifted
+    # statistics with "problems: []").
     bad = [p for p in j["problems"] if p.startswith("checksum: ")]
     assert len(bad) == 1, j["problems"]
     assert "rank_00001.safetensors" in bad[0] and "weight/lm_head.weight" in bad[0] and "xxh3 mismatch" in bad[0], bad[0]
@@ -134,8 +134,8 @@ def test_stats_show_a_zeroed_shard(tmp_path):
 
 
 def test_stats_text_names_nan_and_inf(tmp_path):
-    """NaN and Inf are left out of mean..max; the text output must still say they are there (a
-    tester saw finite statistics, and no word of them, for a checkpoint holding both)."""
+    """NaN and Inf are left out of mean..max; the text output must still say they are there (it
+    used to show finite statistics, and no word of them, for a checkpoint holding both)."""
     import torch
     import reshard
     src = synth(tmp_path / "src", "tp=1,pp=1,dp=1,zero=1")

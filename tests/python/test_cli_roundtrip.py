@@ -91,7 +91,8 @@ def test_convert_step_name_option(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "dp=1," in json.loads((tmp_path / "b" / "mystep" / "metadata.json").read_text())["topology"]
     # OUT inside the source's step folder (the step folder itself, or a folder in it) is refused
-    # before anything is written (a tester got step-N/step-N and a `latest` among the source files).
+    # before anything is written (it used to write step-N/step-N and a `latest` among the source
+    # files).
     step = next(p for p in a.iterdir() if p.is_dir())
     (step / "sub").mkdir()
     for out in (step, step / "sub", step / "new" / "deeper", step / "sub" / ".." / "new2"):
@@ -105,7 +106,7 @@ def test_convert_step_name_option(tmp_path):
 
 
 def test_convert_refuses_outs_that_would_lose_or_hide_data(tmp_path):
-    """Session 13 tester's cases: each refused with exit 2 before anything under OUT changes."""
+    """Each case is refused with exit 2 before anything under OUT changes."""
     a = synth(tmp_path / "a", "tp=2,dp=1")
     step = next(p.name for p in a.iterdir() if p.is_dir())  # what convert names the output step
 

@@ -128,7 +128,7 @@ def test_bad_path_exit_2_one_line(tmp_path, which, cmd):
 
 
 def as_written_before_the_identity_record(step):
-    """Turns a native step into the form reshard wrote before session 12: no "save" in
+    """Turns a native step into the form older versions of reshard wrote: no "save" in
     metadata.json, only "format" in each data file's __metadata__ (the record blanked with spaces,
     which JSON allows, so no offset moves). Such a checkpoint's metadata.json can be edited to
     make cases the open would otherwise refuse as an edit (layout digest)."""
@@ -148,7 +148,7 @@ def as_written_before_the_identity_record(step):
 def test_partial_sum_tensor_at_tp2_verifies_and_gaps_are_found(tmp_path):
     """A model whose rule declares a partial_sum tensor: verify used to plan to tp=1, which would
     have to sum the tp ranks' partial values (not implemented), and exited 2 without checking a
-    checksum (tester). It checks coverage at the stored tp now."""
+    checksum. It checks coverage at the stored tp now."""
     import collections
     model = tmp_path / "m.yaml"
     model.write_text(MODEL.read_text() + "rules:\n"

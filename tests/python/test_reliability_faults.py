@@ -495,7 +495,7 @@ def copy_ds_fixture(tmp_path, case):
 @need_cli
 def test_verify_names_a_missing_deepspeed_optimizer_file(tmp_path):
     """One *_optim_states.pt of a DeepSpeed save deleted: `reshard verify` lists the file itself
-    under missing (a tester saw only "buffer fp32/group0 (rank 7): its data file is missing")."""
+    under missing (it used to say only "buffer fp32/group0 (rank 7): its data file is missing")."""
     dst, step = copy_ds_fixture(tmp_path, "pipe_pp2_tp2_dp2_z1_fp32")
     gone = step / "zero_pp_rank_1_mp_rank_03_optim_states.pt"
     gone.unlink()
@@ -510,8 +510,8 @@ def test_verify_names_a_missing_deepspeed_optimizer_file(tmp_path):
 def test_deepspeed_folder_without_optimizer_files_is_refused_in_every_config_form(tmp_path, variant):
     """Every *_optim_states.pt gone, with ds_config in the forms DeepSpeed's parser also takes (the
     old "bfloat16" key, zero_optimization: true, a stage string) or no ds_config at all (Megatron's
-    args.zero_stage decides): refused, not opened as weights only (a tester found each form
-    opened as weights only, and convert wrote an output without optimizer state)."""
+    args.zero_stage decides): refused, not opened as weights only (each form used to open
+    as weights only, and convert wrote an output without optimizer state)."""
     dst, step = copy_ds_fixture(tmp_path, "pipe_pp2_tp2_dp2_z1_bf16_untied_gqa_swiglu")
     for f in step.glob("*optim_states.pt"):
         f.unlink()
@@ -555,7 +555,7 @@ def _set_engine_steps(step_folder, steps):
 @need_cli
 @need_py
 def test_model_states_of_another_save_are_refused(tmp_path):
-    """Session 15 tester: an mp_rank_00_model_states.pt of step 2 copied into global_step3 loaded as
+    """An mp_rank_00_model_states.pt of step 2 copied into global_step3 loaded as
     "iteration 2, optimizer step 3" (verify OK, convert exit 0, output named step-2) and the
     trainer replayed a batch. Now refused at open, naming the file: first because DeepSpeed named
     the folder after global_steps, then, in a folder with a tag of its own, because Adam cannot
@@ -591,7 +591,7 @@ def test_model_states_of_another_save_are_refused(tmp_path):
                                        ("plain_dp2_z3_fp32", "zero_pp_rank_1_mp_rank_00_model_states.pt")])
 def test_missing_model_states_file_is_named_and_no_rank_keeps_its_rng(tmp_path, case, gone):
     """A model-states file gone (tensors all still covered): `verify` names it, also for ZeRO-3's
-    per-dp-rank files (a tester saw "every file is present"), and a load into the same layout
+    per-dp-rank files (it used to say "every file is present"), and a load into the same layout
     carries no rank's RNG stream instead of restoring some and reseeding the others (a ZeRO-3 dp
     rank without its file took dp rank 0's stream), saying so under "not carried over"."""
     dst, step = copy_ds_fixture(tmp_path, case)

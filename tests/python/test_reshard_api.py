@@ -201,7 +201,7 @@ def test_build_layout_takes_the_trainers_uneven_pipeline_stages():
     with pytest.raises(reshard.InvalidArgument, match="on stage 2, not in \\[0, pp=2\\)"):
         reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=dict(stages, **{n: [2] for n, l in layer.items() if l == 0}))
     # A whole layer on stage -1 is named as such (not "no stage"), and non-int stages are
-    # InvalidArgument naming the tensor, not a pybind cast error (session 16 tester).
+    # InvalidArgument naming the tensor, not a pybind cast error.
     with pytest.raises(reshard.InvalidArgument, match="on stage -1, not in \\[0, pp=2\\)"):
         reshard.build_layout(m, "tp=1,pp=2,dp=1,zero=1", stages=dict(stages, **{n: [-1] for n, l in layer.items() if l == 2}))
     name = next(iter(stages))
@@ -214,7 +214,7 @@ def test_build_layout_takes_the_trainers_uneven_pipeline_stages():
 
 def test_optimizer_state_the_targets_groups_leave_out_is_not_dropped_silently(tmp_path):
     """A trainer's param groups without one tensor (frozen, or built wrong) gave its fp32 master and
-    moments no place in the target: the plan skipped them and said nothing (session 16 tester).
+    moments no place in the target: the plan skipped them and said nothing.
     Now an InvalidArgument naming them under strict_unexpected (the default), a note without it."""
     m = reshard.model_config(TINY)
     reshard.synth_checkpoint(str(tmp_path), m, "tp=1,pp=1,dp=1,zero=1", 3)
@@ -235,8 +235,8 @@ def test_optimizer_state_the_targets_groups_leave_out_is_not_dropped_silently(tm
 
 
 def test_wrong_argument_types_are_invalid_argument(tmp_path):
-    """Policies and tensors of the wrong type raise InvalidArgument naming what is wrong (a
-    fresh-clone user got raw binding errors and a misleading device message before)."""
+    """Policies and tensors of the wrong type raise InvalidArgument naming what is wrong (they
+    used to give raw binding errors and a misleading device message)."""
     m = reshard.model_config(TINY)
     reshard.synth_checkpoint(str(tmp_path), m, "tp=1,pp=1,dp=1,zero=1", 2)
     L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
@@ -339,7 +339,7 @@ def test_bad_tensors_are_invalid_argument(tmp_path):
     with pytest.raises(reshard.NotFound, match="step"):
         reshard.load(str(tmp_path), L, zeros_for(L), step=99)
     # A lazy negation view's bytes are not its values: load would write -x where x is shown and
-    # save would store -x (tester's finding); refused, and nothing is written.
+    # save would store -x; refused, and nothing is written.
     live = zeros_for(L)
     k = next(k for k, t in live.items() if t.dtype == torch.float32)
     base = torch.full_like(live[k], 7.0)
@@ -445,7 +445,7 @@ def test_resume_config_fields_are_checked_by_type_and_named(tmp_path):
              (base + "policies: first\n", "field policies must be a mapping"),
              (base + "policies: {[a]: 1}\n", "is not a name"),
              (base + "policies: {replicas: [first]}\n", "field replicas: cannot read"),
-             # Session 13 tester: a second document was ignored, 1e-300 GiB became a 0-byte budget.
+             # A second document used to be ignored, and 1e-300 GiB became a 0-byte budget.
              (base + "---\ncheckpoint: {root: /y}\ntarget: tp=2\n", "holds 2 YAML documents"),
              (base + "policies: {memory_budget_gib: 1e-300}\n", "policies.memory_budget_gib gives 0 bytes, below"),
              (base + "policies: {memory_budget_bytes: 100}\n", "policies.memory_budget_bytes gives 100 bytes, below"),
@@ -616,7 +616,7 @@ except reshard.Internal as e:
     assert "replica policy differs between ranks" in str(e), str(e)
 assert all(not t.any() for t in ts4.values()), "a refused load wrote"
 # Checks that only C++ made, or planning, failing on one rank: every rank raises, none waits for
-# it (session 13 tester: the peers sat in an all-gather until gloo's 30-minute timeout).
+# it (the peers used to sit in an all-gather until gloo's 30-minute timeout).
 for pol in ({"replicas": "sometimes"}, {"memory_budget_bytes": 1000}, {"replica_atol": -1}, {"strict_missing": 1}):
     try:
         reshard.load(sys.argv[1], L, ts4, policies=pol if r == 1 else None)
@@ -663,7 +663,7 @@ def test_torch_communicator_gloo(tmp_path):
     assert r.returncode == 0 and r.stdout.count("OK") == 4, r.stdout[-2000:] + r.stderr[-4000:]
 
 
-def test_live_tensor_and_argument_cases_from_the_session_13_tester(tmp_path):
+def test_live_tensor_and_argument_cases_get_clear_errors(tmp_path):
     """Each case raised nothing (or crashed) before: now a clear error before anything is written,
     or a correct load."""
     ck = str(tmp_path / "ck")
@@ -708,7 +708,7 @@ def test_live_tensor_and_argument_cases_from_the_session_13_tester(tmp_path):
 
 
 def test_values_that_do_not_fit_the_target_dtype_fail_the_load(tmp_path):
-    """bf16 1e6 loaded into an f16 model came out as inf with every check passing (session 13)."""
+    """bf16 1e6 loaded into an f16 model came out as inf with every check passing."""
     import yaml
     with open(os.path.join(REPO, "configs", "models", "tiny-gpt.yaml")) as f:
         base = yaml.safe_load(f)

@@ -168,7 +168,7 @@ def test_layout_change_then_first_update(source, tp, pp, dp, fmt):
 def test_uneven_pipeline_stages_both_ways(source, tmp_path):
     """4 layers over pp=3: DeepSpeed's PipelineModule splits them unevenly (partition_method
     type:transformer) and trains it; reshard used to refuse such a target ("num_layers=4 is not
-    divisible by pp*vpp=3", session 15 tester), although the live engine says where each layer is.
+    divisible by pp*vpp=3"), although the live engine says where each layer is.
     Into it: tp=2,pp=2,dp=2 -> tp=1,pp=3,dp=2 through the hook, bitwise, then one update equal to
     the uninterrupted run's. Out of it: that job's own DeepSpeed save (uneven stages as the source)
     read into one rank's full tensors, bitwise equal to what the job held when it saved."""

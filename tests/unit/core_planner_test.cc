@@ -414,8 +414,8 @@ TEST(PlannerProperty, PlansAreDeterministic) {
 
 // With node-local reads the budget cuts a piece only for the send copies that can happen: every
 // rank of one machine reads its own copy, so a piece that fits the budget stays whole (and
-// verify="free" checks it as it is read). A fresh-clone tester found 1/9 of the budget used as the
-// limit at dp=8 on one machine, so pieces over 119 MB of a 1 GiB budget were cut and not checked.
+// verify="free" checks it as it is read). The limit used to be 1/9 of the budget at dp=8 on one
+// machine, so pieces over 119 MB of a 1 GiB budget were cut and not checked.
 // Where the budget does cut a piece that the layout reads whole, the plan lists it for the
 // pre-flight check.
 TEST(PlannerBudget, NodeLocalReadsCutPiecesOnlyForSendsThatHappen) {

@@ -249,8 +249,8 @@ TEST(ReplicaCompare, FindsTheOneDifferenceInAnySlabOfAStridedBoxAcrossDtypes) {
 
 namespace reshard {
 namespace {
-// A finite value that would round to +-inf in a narrower type is refused (session 13: bf16 1e6
-// into an f16 model loaded as inf); the largest finite values, inf and NaN themselves convert.
+// A finite value that would round to +-inf in a narrower type is refused (bf16 1e6 into
+// an f16 model used to load as inf); the largest finite values, inf and NaN themselves convert.
 TEST(Convert, FiniteValuesThatDoNotFitAreRefusedNotTurnedIntoInf) {
   auto to = [](auto v, DType from, DType to_type) {
     uint64_t out = 0;

@@ -474,7 +474,7 @@ TEST(DeepSpeedReader, DetectsWriterAndTopologyFromFiles) {
 
 // A model file that contradicts the trainer's `args` (or the files' checkpoint_version) on what
 // decides how fused tensors are cut is refused, naming each field; one that agrees is accepted.
-// Session 13 tester: "swiglu: false, ffn: 256" for this SwiGLU model (ffn 128, same shapes) loaded
+// "swiglu: false, ffn: 256" for this SwiGLU model (ffn 128, same shapes) loaded
 // dense_h_to_4h as [g0;u0;g1;u1] with every check passing.
 TEST(DeepSpeedReader, ModelFileContradictingArgsIsRefused) {
   REQUIRE_FIXTURE("pipe_pp1_tp2_dp2_z1_fp32_gqa_swiglu_rms_nobias_v300");
@@ -740,7 +740,7 @@ TEST(DeepSpeedFailures, Zero3OptimizerFilesSwappedAreRefusedAtOpen) {
   fs::remove_all(fs::path(step).parent_path());
 }
 
-// Two names for one file of a save (session 12 tester: layer_03-model_states.pt written next to
+// Two names for one file of a save (layer_03-model_states.pt written next to
 // layer_03-model_00-model_states.pt, both "layer 3 of tp rank 0"; the later name in the listing
 // won with no word, its values loaded under verify="free"). Refused at open, naming both.
 TEST(DeepSpeedFailures, TwoFilesForOneRankAreRefusedAtOpen) {
@@ -810,8 +810,8 @@ TEST(DeepSpeedFailures, FilesSwappedAfterOpenAreNotWhatALoadReads) {
   std::string m = load_error(*touched);
   EXPECT_NE(m.find(b + " changed since the checkpoint was opened ("), std::string::npos) << m;
   EXPECT_NE(m.find(" bytes, another modification time); open the checkpoint again"), std::string::npos) << m;
-  // Overwritten in place (`cp B A` keeps A's inode, so the descriptor sees B's bytes; session 12
-  // tester: a default load took the other rank's values). File times tick at the kernel's clock, a
+  // Overwritten in place (`cp B A` keeps A's inode, so the descriptor sees B's bytes; a
+  // default load took the other rank's values). File times tick at the kernel's clock, a
   // few ms: the overwrite waits past one tick.
   auto again = open_checkpoint(step);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -216,7 +216,7 @@ TEST(NativeFormat, DataFilesAreValidAlignedSafetensors) {
 
 // A save that cannot replace `latest` leaves the root as it was: refused before the step goes
 // in when `latest` is a folder; the step rename undone when replacing `latest` fails after it
-// (an immutable `latest`: session 13 tester, whose convert exited 2 with the old step replaced).
+// (an immutable `latest`: convert exited 2 with the old step replaced).
 TEST(NativeFormat, SaveThatCannotReplaceLatestLeavesTheRootAsItWas) {
   const ModelConfig m = small_model();
   const Topology t = Topology::parse("tp=1,dp=1,zero=0");
@@ -495,7 +495,7 @@ TEST(NativeFormat, RankFilesSwappedOrFromAnotherSaveAreRefusedAtOpen) {
   }
   EXPECT_EQ(detail::one_line("a\nb\x1b[31m\xe2\x80\xa8" "c\xc2\x85" "d\x7f"), "a\\x0ab\\x1b[31m\\u2028c\\u0085d\\x7f");
   EXPECT_EQ(detail::one_line("plain caf\xc3\xa9 \xe2\x80\x94 ok"), "plain caf\xc3\xa9 \xe2\x80\x94 ok");
-  // Files of the first session-12 writers: rank and save, no layout digest. Open as before
+  // Files of earlier writers: rank and save, no layout digest. Open as before
   // (identity checked, the digest not compared).
   {
     const std::string layout_now = native::layout_digest(open_checkpoint(root)->source().layout);
@@ -629,7 +629,7 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   EXPECT_HAS(msg, "of param group 0 of (pp 0, tp ");
   EXPECT_HAS(msg, "'s entry [");
   EXPECT_HAS(msg, "the labels in this file were edited");
-  // One rank's buffers pointed at another rank's file (session 12 tester: tp rank 1's buffers
+  // One rank's buffers pointed at another rank's file (tp rank 1's buffers
   // read tp rank 0's bytes, whose pieces lie on the same byte ranges and passed their checksums).
   msg = refused(ErrorCode::kDataLoss, [&](json& j) {
     for (auto& b : j["buffers"])
@@ -637,7 +637,7 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   });
   EXPECT_HAS(msg, ".file' is rank_00000.safetensors but buffer ");
   EXPECT_HAS(msg, " belongs to rank 1, whose data file is rank_00001.safetensors");
-  // Geometry edited with every checksum kept (session 12 tester): the `off` of two tp ranks'
+  // Geometry edited with every checksum kept: the `off` of two tp ranks'
   // pieces of one weight swapped loads the two halves swapped, and every label still agrees. The
   // layout digest each data file records (format.md §2) says metadata.json changed.
   msg = refused(ErrorCode::kDataLoss, [&](json& j) {
@@ -699,7 +699,7 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   msg = refused(ErrorCode::kDataLoss, [](json& j) { j["pieces"][3]["base"] = 1.5; });
   EXPECT_HAS(msg, "field 'pieces[3].base': expected an integer");
   // Elements of integer lists and keys of nested objects are named to the element (paths are
-  // built only for messages since session 13; these pin them).
+  // built only for messages; these pin them).
   msg = refused(ErrorCode::kDataLoss, [](json& j) { j["pieces"][4]["len"][0] = "2"; });
   EXPECT_HAS(msg, "field 'pieces[4].len[0]': expected an integer");
   msg = refused(ErrorCode::kDataLoss, [](json& j) { j["arrays"][1]["shape"][0] = uint64_t(1) << 63; });
@@ -709,7 +709,7 @@ TEST(NativeFormat, MetadataDisagreeingWithDataFiles) {
   msg = refused_text(ErrorCode::kDataLoss, inserted(clean, "\"offset\"", "\"offset\": 0,\n "));
   EXPECT_HAS(msg, "key 'offset' appears twice in field 'flat_groups[0][0].entries[0]'");
   // A piece without its checksum (deleted, emptied, not hex): refused at open, since a piece with
-  // no checksum would load unchecked even under verify="full" (helper report, session 8).
+  // no checksum would load unchecked even under verify="full".
   for (const json& bad : {json(nullptr), json(""), json("D432FF013EDDF4C8"), json("d432ff01")}) {
     msg = refused(ErrorCode::kDataLoss, [&](json& j) {
       if (bad.is_null()) j["pieces"][5].erase("xxh3");
@@ -978,7 +978,7 @@ TEST(NativeSynth, WeightsAgainstMasterInElementRangesCutFusedTensorsWithinTheBud
   }
 }
 
-// Two costs of the batching and the cut, found by the session-11 tester. A batch is sized by
+// Two costs of the batching and the cut. A batch is sized by
 // what its tensors hold at the checkpoint's tp: at tp 4 with 2 query groups (replicate_kv) every
 // tp rank also holds its group's K and V rows, which a size taken from the global shape missed
 // (a batch over the budget). And a replicated tensor cut into ranges has its copies compared

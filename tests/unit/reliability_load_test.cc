@@ -242,7 +242,7 @@ TEST(ReliabilityCorrupt, FileTruncatedOrDeletedAfterOpenFailsPreflightBeforeAnyW
   }
 }
 
-// Rank files swapped after the open (session 12 tester, under mpirun: the open had checked the
+// Rank files swapped after the open (under mpirun: the open had checked the
 // headers, the load opened the files again by path and loaded rank 3's optimizer state as rank
 // 2's under a tp 2 -> 4 re-cut that verify="free" does not check). The pre-flight now opens the
 // handle that reads and the mapping use and checks its header against the one seen at open. Here
@@ -401,7 +401,7 @@ TEST(ReliabilityCorrupt, MetadataWithOverflowingNumbersIsDataLoss) {
 }
 
 // A model config that a checkpoint's metadata.json cannot hold (JSON has no NaN; a negative count
-// is refused when read back): session 12 tester, synth wrote steps that no open accepted.
+// is refused when read back): synth wrote steps that no open accepted.
 TEST(ReliabilityModel, ValuesMetadataCannotHoldAreRefusedAtValidation) {
   for (double v : {std::nan(""), double(INFINITY), -1.0}) {
     ModelConfig m = model();
@@ -673,7 +673,7 @@ TEST(ReliabilityBudget, TooSmallIsAClearErrorAndTheMinimumStillLoadsBitwise) {
   EXPECT_EQ(r.peak_verify_bytes, 0u) << "verify=\"free\" runs no weights-vs-master comparison";
   for (size_t b = 0; b < t.buffers.size(); ++b) ASSERT_EQ(ref.mem[b], small.mem[b]) << t.buffers[b].name;
   // verify="full" compares the weights with their fp32 masters before any write, within the
-  // load's budget too (it held whole 512 KiB masters at a 64 KiB budget until session 12).
+  // load's budget too (it used to hold whole 512 KiB masters at a 64 KiB budget).
   Live full(t);
   o.verify = "full";
   r = load_local(*ck, t, full, o);

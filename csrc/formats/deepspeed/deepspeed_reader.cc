@@ -650,8 +650,8 @@ void Builder::topology() {
           missing.push_back(prefix + "zero_pp_rank_" + std::to_string(d) + "_mp_rank_" + (mp < 10 ? "0" : "") +
                             std::to_string(mp) + "_optim_states.pt");
     // ZeRO-3 saves a model-states file per dp rank too (its RNG state and client state); one
-    // missing is a copy that lost a file, which `verify` must name (session 15 tester: it said
-    // "every file is present").
+    // missing is a copy that lost a file, which `verify` must name (it used to say "every file is
+    // present").
     if (!zmodel.empty())
       for (int mp = 0; mp < mp_world; ++mp)
         for (int d = 0; d < dp; ++d)
@@ -959,7 +959,7 @@ void Builder::model_config() {
     note("model description from " + opt.model_path + " (QKV row meaning, SwiGLU, query groups, vocab)");
     // The model file fills in what the files cannot prove; where the trainer's `args` record a
     // field too, the two must agree. A model file that says "no SwiGLU" for a SwiGLU model of the
-    // same shapes cut dense_h_to_4h as [g0;u0;g1;u1] with every check passing (session 13 tester).
+    // same shapes cut dense_h_to_4h as [g0;u0;g1;u1] with every check passing.
     if (args && args->kind == Kind::Object) {
       std::string differ;
       auto same = [&](const char* field, const std::string& in_args, const std::string& in_file) {
@@ -1799,8 +1799,8 @@ void Builder::non_tensor_state() {
     }
   }
   S.step = step ? int64_t(std::llround(*step)) : -1;
-  // A model-states file from another save copied into this folder (session 15 tester: an older
-  // mp_rank_00 in global_step3 loaded as "iteration 2, optimizer step 3" and the trainer replayed
+  // A model-states file from another save copied into this folder (an older mp_rank_00 copied
+  // into global_step3 loaded as "iteration 2, optimizer step 3" and the trainer replayed
   // a batch; DeepSpeed's own loader takes it too, and a pipeline's mp_rank files hold no weights
   // for the weights-vs-master check to compare). Two facts every save keeps:
   // - DeepSpeed names a save `global_step<global_steps>` unless the caller gives a tag

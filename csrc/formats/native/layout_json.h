@@ -30,7 +30,7 @@ class Field {
   /// The field's path ("pieces[3].len"; "" for the root), for messages. Built when asked: the
   /// reader built one for every value it read of a 300 KB metadata.json (17,237 values in the 2 GB
   /// benchmark's); making paths lazy, with integer lists read without a Field per element, took
-  /// that open from 3.7 to 2.7 ms of CPU (session 13), which every rank of a load pays.
+  /// that open from 3.7 to 2.7 ms of CPU, which every rank of a load pays.
   std::string path() const;
   bool is_object() const { return e_.type() == simdjson::dom::element_type::OBJECT; }
   bool has(std::string_view key) const;  // false also when this is not an object

@@ -177,8 +177,8 @@ class NativeReader final : public CheckpointReader {
   }
   // The record's `layout`: the digest of the layout the writer saved (layout_digest). An edit of
   // metadata.json after the save (a piece's strides or offsets, labels swapped consistently) keeps
-  // every checksum valid and loads values into the wrong places. Files of the first session-12
-  // writers have rank and save but no digest: not compared. Checked after the header-vs-metadata
+  // every checksum valid and loads values into the wrong places. Files of earlier writers that
+  // recorded rank and save but no digest: not compared. Checked after the header-vs-metadata
   // checks of the file's buffers, which name a single edited field more precisely.
   void check_layout(const std::string& path, const std::map<std::string, std::string>& meta,
                     const std::string& layout) const {
