@@ -212,6 +212,8 @@ def main(argv=None):
                         "again to DUMP_DIR/deepspeed")
     p.add_argument("--deepspeed-tag", default=None, help="tag (step folder) for --deepspeed-load (default: latest)")
     p.add_argument("--exit-after-load", action="store_true")
+    p.add_argument("--load-gathered", action="store_true",
+                   help="ZeRO-3: run the load inside deepspeed.zero.GatheredParameters over every parameter")
     p.add_argument("--dump-on-error", action="store_true",
                    help="dump the live state before the load (DUMP_DIR/before); when the load raises a reshard "
                         "error, dump it again (DUMP_DIR/after), write DUMP_DIR/error-rank<r>.txt and exit 3")
@@ -227,20 +229,36 @@ def main(argv=None):
     def load_and_dump(engine, args):
         if ours.scramble:
             scramble(engine)
+        def load():
+            if ours.load_gathered:
+                import deepspeed
+                with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                    return original(engine, args)
+            return original(engine, args)
+
         if ours.dump_on_error:
             import reshard
-            dump_engine(engine, os.path.join(ours.dump_dir, "before"))
-            try:
-                it, consumed = original(engine, args)
-            except reshard.Error as e:
-                dump_engine(engine, os.path.join(ours.dump_dir, "after"))
+
+            def failed(e, dump_after):
+                if dump_after:
+                    dump_engine(engine, os.path.join(ours.dump_dir, "after"))
                 with open(os.path.join(ours.dump_dir, f"error-rank{dist.get_rank()}.txt"), "w") as f:
                     f.write(f"{type(e).__name__}: {e}")
                 dist.barrier()
                 dist.destroy_process_group()
                 sys.exit(3)
+
+            try:  # an engine the view refuses (offload) fails here, before any load
+                dump_engine(engine, os.path.join(ours.dump_dir, "before"))
+            except reshard.Error as e:
+                os.makedirs(ours.dump_dir, exist_ok=True)
+                failed(e, False)
+            try:
+                it, consumed = load()
+            except reshard.Error as e:
+                failed(e, True)
         else:
-            it, consumed = original(engine, args)
+            it, consumed = load()
         extra = {"iteration": it, "consumed": consumed}
         if ours.eval:
             extra["eval_loss"], extra["logits"] = eval_logits(engine, args)

@@ -151,6 +151,11 @@ def build_parser():
                    help="ZeRO-1/2: DeepSpeed's round_robin_gradients (reorders each group's parameters over dp)")
     g.add_argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false", default=True,
                    help="ZeRO-1/2/3: contiguous_gradients off")
+    g.add_argument("--param-persistence-threshold", type=int, default=None,
+                   help="ZeRO-3: stage3_param_persistence_threshold (parameters with fewer elements stay gathered; "
+                        "DeepSpeed's default keeps every parameter of the small test models gathered)")
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO 1-3: DeepSpeed's offload_optimizer to the CPU (reshard refuses to fill it)")
     g.add_argument("--no-pipeline", action="store_true",
                    help="plain DeepSpeed engine on the non-pipeline GPTModel (pp=1, any tp)")
     g = p.add_argument_group("model")
@@ -234,6 +239,11 @@ def ds_config(args, gas: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if args.param_persistence_threshold is not None:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = args.param_persistence_threshold
+    if args.offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # the trainer's torch AdamW, offloaded as is
     if args.bf16 and args.grad_accum_dtype != "default":
         cfg["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     return cfg

@@ -15,10 +15,11 @@ a GQA + SwiGLU + untied model goes tp=2,pp=2 -> tp=4,pp=1 (B08, B12, B13); a bf1
 tp=2,pp=2 pipeline, ZeRO-3 tp=2,dp=2 -> ZeRO-1 tp=1,pp=2,dp=2, ZeRO-2 dp=2 -> ZeRO-3 dp=4, fp16
 ZeRO-0 tp=2 (FP16_UnfusedOptimizer) -> fp16 ZeRO-1 and ZeRO-0 at dp=2 with the loss scaler's
 position, ZeRO-2 dp=2 -> fp32 ZeRO-0 tp=2 (the torch optimizer) and its files into a pipeline; bad
-ZeRO-3 inputs (a missing optimizer file, a short partition, another model) fail on every rank with
-nothing written.
+ZeRO-3 inputs (a missing optimizer file, a short partition, another model) and the engines reshard
+does not fill (a load inside GatheredParameters, optimizer offload) fail on every rank by name
+with nothing written.
 Each job starts live state scrambled to NaN, so every element must be written by the load.
-About 11 minutes on 2 cores (8-rank jobs are mostly start-up).
+About 12 minutes on 2 cores (8-rank jobs are mostly start-up).
 """
 
 import json
@@ -312,20 +313,25 @@ def test_zero3_dp4_to_zero3_dp3_and_to_a_pipeline(zero3_dp4, tmp_path):
     resume_from_iteration3(tmp, src, "pipe", 2, 2, 1, 1, "native", False)
 
 
-def failing_load(tmp, name, tp, dp, zero, load, model=PLAIN):
+def failing_load(tmp, name, tp, dp, zero, load, model=PLAIN, extra=(), refused_engine=False):
     """A plain-engine job whose reshard load must fail: returns each rank's error text, after
-    checking that every rank failed and that no live tensor changed (the dumps before and after)."""
+    checking that every rank failed and that no live tensor changed (the dumps before and after).
+    ``refused_engine``: the engine itself is refused (its view cannot even be dumped), so the
+    load never starts."""
     log = os.path.join(tmp, f"{name}.json")
     r, cmd = mpirun_module("state_dump", tp, 1, dp, [
         "--log-json", log, "--quiet", "--no-pipeline", "--zero", str(zero), "--dump-dir", f"{tmp}/{name}",
-        "--dump-on-error", "--load", load, "--load-with", "reshard", "--steps", "4"] + model, 400)
-    assert r.returncode != 0, f"{' '.join(cmd)} succeeded\n{r.stdout[-3000:]}"
+        "--dump-on-error", "--load", load, "--load-with", "reshard", "--steps", "4"] + list(extra) + model, 400)
+    assert r.returncode == 3, f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
     errors = []
     for rank in range(tp * dp):
         path = f"{tmp}/{name}/error-rank{rank}.txt"
         assert os.path.exists(path), (rank, r.stdout[-2000:], r.stderr[-4000:])
         with open(path) as f:
             errors.append(f.read())
+    if refused_engine:
+        assert not os.path.exists(f"{tmp}/{name}/before")
+        return errors
     before, after = load_dump(f"{tmp}/{name}/before"), load_dump(f"{tmp}/{name}/after")
     assert len(before) == len(after) == tp * dp
     for b, a in zip(before, after):
@@ -368,6 +374,23 @@ def test_zero3_bad_inputs_fail_on_every_rank_and_write_nothing(zero3_dp4, tmp_pa
     other = PLAIN[:PLAIN.index("--ffn") + 1] + ["96"] + PLAIN[PLAIN.index("--ffn") + 2:]
     for e in failing_load(tmp, "other", 1, 2, 3, f"{src}/ds", model=other):
         assert "ffn" in e and "96" in e and "128" in e, e
+
+
+def test_gathered_zero3_parameters_and_offload_are_refused_by_name(zero3_dp4, tmp_path):
+    """The engines reshard does not fill: a load inside GatheredParameters (its partitions would
+    be filled and the gathered copies left stale) is FailedPrecondition naming a parameter, with
+    nothing written; optimizer offload at ZeRO-3 and ZeRO-2 is Unsupported, refused before the
+    load starts."""
+    src, _ = zero3_dp4
+    tmp = str(tmp_path)
+    # Threshold 0: no parameter is persistent (kept gathered by design), as in a large model.
+    for e in failing_load(tmp, "gathered", 1, 2, 3, f"{src}/ds",
+                          extra=["--load-gathered", "--param-persistence-threshold", "0"]):
+        assert e.startswith("FailedPrecondition") and "is gathered" in e and "language_model." in e, e
+    for zero in (3, 2):
+        for e in failing_load(tmp, f"offload{zero}", 1, 2, zero, f"{src}/ds", extra=["--offload-optimizer"],
+                              refused_engine=True):
+            assert e.startswith("Unsupported") and f"ZeRO-{zero} with offload_optimizer" in e, e
 
 
 FP16 = ["--fp16", "--initial-scale-power", "8"]
@@ -444,4 +467,7 @@ def test_zero2_dp2_to_zero3_dp4(tmp_path):
     tmp = str(tmp_path)
     src = plain_source(tmp, 1, 2, 2, extra=["--round-robin-gradients", "--no-contiguous-gradients"])
     assert any("round_robin_gradients" in n for n in reshard.inspect(f"{tmp}/ds", step=3)["notes"])
-    resume_from_iteration3(tmp, src, "z3d4", 1, 1, 4, 3, "ds", True)
+    # No persistent parameters in the target (threshold 0): every weight lives only in its
+    # ds_tensor partitions, as in a large model (the other ZeRO-3 targets keep DeepSpeed's
+    # default, under which every parameter of this small model stays gathered).
+    resume_from_iteration3(tmp, src, "z3d4", 1, 1, 4, 3, "ds", True, extra=["--param-persistence-threshold", "0"])
