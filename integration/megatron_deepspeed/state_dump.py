@@ -177,8 +177,8 @@ def scramble(engine):
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in st:
                     st[k].fill_(float("nan"))
-            if "step" in st:
-                st["step"] = torch.tensor(-1.0)
+            if "step" in st:  # in the optimizer's own type (DeepSpeed's FusedAdam keeps an int)
+                st["step"] = -1 if isinstance(st["step"], int) else torch.tensor(-1.0)
 
 
 def eval_logits(engine, args):

@@ -190,6 +190,9 @@ def build_parser():
     g.add_argument("--micro-batch", type=int, default=2)
     g.add_argument("--global-batch", type=int, default=8)
     g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--optimizer", choices=["adamw", "fused-adam"], default="adamw",
+                   help="torch's AdamW, or DeepSpeed's FusedAdam in AdamW mode (its CPU build here; with --fp16 at "
+                        "ZeRO-0 DeepSpeed then runs FP16_Optimizer, else FP16_UnfusedOptimizer)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=0.0)
     g.add_argument("--save", default=None)
@@ -222,6 +225,16 @@ def config_from_args(args, world: int) -> M.GPTConfig:
                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                        seq_length=args.seq_length, position_embeddings=args.position_embeddings,
                        bf16=args.bf16, fp16=args.fp16, seed=args.seed, tp=args.tp, pp=args.pp, dp=args.dp)
+
+
+def make_optimizer(args, groups):
+    """The client optimizer DeepSpeed wraps: torch AdamW or DeepSpeed's FusedAdam (AdamW mode), with
+    the same hyperparameters."""
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    if args.optimizer == "fused-adam":
+        from deepspeed.ops.adam import FusedAdam
+        return FusedAdam(groups, adam_w_mode=True, **kw)
+    return torch.optim.AdamW(groups, **kw)
 
 
 def ds_config(args, gas: int) -> dict:
@@ -411,7 +424,7 @@ def main(argv=None):
         dp_rank = topo.get_coord(rank).data
 
     groups = M.get_param_groups(net, args.weight_decay)
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    opt = make_optimizer(args, groups)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=ds_config(args, gas), mpu=mpu)
 
     iteration, consumed = 0, 0

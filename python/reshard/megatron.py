@@ -745,10 +745,17 @@ def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policie
         for (gg, kind), t in created.items():
             if gg == g:
                 st[kind] = t
+        # The step in the optimizer's own type: torch's optimizers keep a tensor, DeepSpeed's
+        # (FusedAdam, DeepSpeedCPUAdam) a Python int per tensor (deepspeed/ops/adam).
         old = st.get("step")
-        dtype = old.dtype if torch.is_tensor(old) else torch.float32
-        device = old.device if torch.is_tensor(old) else torch.device("cpu")
-        st["step"] = torch.tensor(float(step_value), dtype=dtype, device=device)
+        if torch.is_tensor(old):
+            st["step"] = torch.tensor(float(step_value), dtype=old.dtype, device=old.device)
+        elif isinstance(old, (int, float)) and not isinstance(old, bool):
+            st["step"] = type(old)(step_value)
+        elif type(opt).__module__.startswith("torch.optim"):
+            st["step"] = torch.tensor(float(step_value))
+        else:
+            st["step"] = int(step_value)
     carried = set_loss_scaler(zopt, glob.get("loss_scaler"))
     if carried:
         report["loss_scaler"] = carried

@@ -13,8 +13,8 @@ a GQA + SwiGLU + untied model goes tp=2,pp=2 -> tp=4,pp=1 (B08, B12, B13); a bf1
 (DeepSpeed's BF16_Optimizer) goes tp=2,pp=2 -> tp=1,pp=2,dp=2; and the plain DeepSpeedEngine
 (--no-pipeline) is filled under ZeRO-3, ZeRO-2 and ZeRO-0: ZeRO-3 dp=4 -> ZeRO-3 dp=3 and -> a
 tp=2,pp=2 pipeline, ZeRO-3 tp=2,dp=2 -> ZeRO-1 tp=1,pp=2,dp=2, ZeRO-2 dp=2 -> ZeRO-3 dp=4, fp16
-ZeRO-0 tp=2 (FP16_UnfusedOptimizer) -> fp16 ZeRO-1 and ZeRO-0 at dp=2 with the loss scaler's
-position, ZeRO-2 dp=2 -> fp32 ZeRO-0 tp=2 (the torch optimizer) and its files into a pipeline; bad
+ZeRO-0 tp=2 (FP16_UnfusedOptimizer with torch AdamW, FP16_Optimizer with DeepSpeed's FusedAdam) ->
+fp16 ZeRO-1 and ZeRO-0 at dp=2 with the loss scaler's position, ZeRO-2 dp=2 -> fp32 ZeRO-0 tp=2 (the torch optimizer) and its files into a pipeline; bad
 ZeRO-3 inputs (a missing optimizer file, a short partition, another model) and the engines reshard
 does not fill (a load inside GatheredParameters, optimizer offload) fail on every rank by name
 with nothing written.
@@ -396,22 +396,26 @@ def test_gathered_zero3_parameters_and_offload_are_refused_by_name(zero3_dp4, tm
 FP16 = ["--fp16", "--initial-scale-power", "8"]
 
 
-def test_fp16_zero0_tp2_to_fp16_zero1_dp2_with_the_loss_scale(tmp_path):
-    """fp16 at ZeRO-0 runs DeepSpeed's FP16_UnfusedOptimizer (torch AdamW is no fused optimizer):
-    its state lies in the mp_rank files' `optimizer`, one fp32 copy per parameter, and its torch
-    optimizer is one step ahead of the engine (stepped once with zero gradients when built). Into
-    fp16 ZeRO-1 at dp=2 from the DeepSpeed files and into fp16 ZeRO-0 at dp=2 from the native ones:
-    every state kind bitwise, the step and the loss scaler's position carried (the targets start at
-    another initial scale), the next loss the uninterrupted run's (fp16: within 1e-5 relative, the
-    tp change regroups fp16 sums)."""
+@pytest.mark.parametrize("optimizer,wrapper", [("adamw", "FP16_UnfusedOptimizer"), ("fused-adam", "FP16_Optimizer")])
+def test_fp16_zero0_tp2_to_fp16_zero1_dp2_with_the_loss_scale(tmp_path, optimizer, wrapper):
+    """fp16 at ZeRO-0 runs DeepSpeed's FP16_UnfusedOptimizer around torch AdamW (one fp32 copy per
+    parameter) and FP16_Optimizer around its FusedAdam (one flat fp32 copy per group): their state
+    lies in the mp_rank files' `optimizer`, and their torch optimizer is one step ahead of the
+    engine (stepped once with zero gradients when built). Into fp16 ZeRO-1 at dp=2 from the
+    DeepSpeed files and into fp16 ZeRO-0 at dp=2 from the native ones: every state kind bitwise,
+    the step and the loss scaler's position carried (the targets start at another initial scale),
+    the next loss the uninterrupted run's (fp16: within 1e-5 relative, the tp change regroups fp16
+    sums)."""
     tmp = str(tmp_path)
-    src = job(tmp, "src", 2, 1, 1, ["--no-pipeline", "--zero", "0"] + FP16 + [
+    opt = ["--optimizer", optimizer]
+    src = job(tmp, "src", 2, 1, 1, ["--no-pipeline", "--zero", "0"] + FP16 + opt + [
         "--dump-dir", f"{tmp}/src", "--dump-at-save", "--save", f"{tmp}/ds", "--save-native", f"{tmp}/native",
         "--save-interval", "3", "--steps", "4"], model=PLAIN)
-    assert reshard.inspect(f"{tmp}/ds", step=3)["writer"] == "deepspeed-zero0-fp16"
+    info = reshard.inspect(f"{tmp}/ds", step=3)
+    assert info["writer"] == "deepspeed-zero0-fp16" and any(wrapper + "'s state" in n for n in info["notes"])
     saved = load_dump(f"{tmp}/src/it3")[0]["loss_scaler"]
     assert saved["cur_scale"] == 256.0 and saved["cur_iter"] == 3, saved
-    target = ["--fp16", "--initial-scale-power", "12"]
+    target = ["--fp16", "--initial-scale-power", "12"] + opt
     for name, zero, fmt in (("z1", 1, "ds"), ("z0", 0, "native")):
         dumps = resume_from_iteration3(tmp, src, name, 1, 1, 2, zero, fmt, True, extra=target, step=4.0, rtol=1e-5)
         for d in dumps:
@@ -419,6 +423,8 @@ def test_fp16_zero0_tp2_to_fp16_zero1_dp2_with_the_loss_scale(tmp_path):
             assert {k: got[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter")} == \
                 {k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter")}, (name, got, saved)
 
+    if optimizer != "adamw":
+        return
     # The saved moments are numbered, not named: the fp32 copies of two same-shaped weights
     # swapped (what param groups in another order give) and groups that are not Megatron's are
     # refused at open, naming the tensor or the groups.
