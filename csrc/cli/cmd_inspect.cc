@@ -178,9 +178,11 @@ Command inspect_command() {
     d["tensors"] = tensors;
     d["problems"] = problems;
 
+    // Exit 1 when it found a problem (a missing file, uncovered elements, a checksum), as verify.
+    const int rc = problems.empty() ? 0 : 1;
     if (a->json) {
       std::cout << d.dump(2) << std::endl;
-      return 0;
+      return rc;
     }
     // Text read from the files (paths, names, notes) is printed on one line each (detail::one_line):
     // a name holding a newline must not forge a line of this report.
@@ -222,7 +224,7 @@ Command inspect_command() {
                   j["present"].get<bool>() ? (std::to_string(j["bytes"].get<uint64_t>()) + " bytes").c_str() : "MISSING");
     for (const auto& p : problems) std::printf("problem: %s\n", one_line(p).c_str());
     for (const auto& n : ckpt->notes()) std::printf("note: %s\n", one_line(n).c_str());
-    return 0;
+    return rc;
   };
   return c;
 }

@@ -17,6 +17,27 @@ def run(*args):
 pytestmark = pytest.mark.skipif(not CLI.exists(), reason="build/bin/reshard not built (run scripts/setup.sh)")
 
 
+def test_version_help_and_unknown_commands():
+    """--version names the version and the commit of the build; `help` and `help COMMAND` print
+    help and exit 0; an unknown command (or help topic) exits 2 naming it, with the nearest
+    command suggested."""
+    import re
+    r = run("--version")
+    assert r.returncode == 0 and re.fullmatch(r"reshard \d+\.\d+\.\d+ \(commit ([0-9a-f]{12}(-dirty)?|unknown)\)\n",
+                                              r.stdout), r.stdout
+    r = run("help")
+    assert r.returncode == 0 and "Subcommands:" in r.stdout, r.stdout
+    assert all(c in r.stdout for c in ("plan", "inspect", "verify", "convert", "synth", "diff")), r.stdout
+    r = run("help", "convert")
+    assert r.returncode == 0 and "convert [OPTIONS] IN OUT" in r.stdout and "--target" in r.stdout, r.stdout
+    r = run("plna", "x")
+    assert r.returncode == 2 and "unknown command 'plna' (did you mean 'plan'?)" in r.stderr, r.stderr
+    r = run("frobnicate")
+    assert r.returncode == 2 and "unknown command 'frobnicate'; commands: plan," in r.stderr, r.stderr
+    r = run("help", "nope")
+    assert r.returncode == 2 and "unknown command 'nope'" in r.stderr, r.stderr
+
+
 def test_plan_gpt3_175b_json_has_job_totals():
     r = run("plan", "--model", ROOT / "configs/models/gpt3-175b.yaml", "--source", "tp=8,pp=16,dp=8,zero=1",
             "--target", "tp=4,pp=8,dp=32,zero=1", "--json")

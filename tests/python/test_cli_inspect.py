@@ -63,10 +63,13 @@ def test_inspect_json_of_synth(tmp_path):
 
 
 def test_inspect_reports_missing_file(tmp_path):
+    """A missing file is a problem found: listed, and exit 1 (as verify), text or JSON."""
     ck = synth(tmp_path / "ck", "tp=1,pp=1,dp=2,zero=2")
     (ck / "step-12" / "rank_00001.safetensors").unlink()
+    text = run("inspect", ck)
+    assert text.returncode == 1 and "problem: missing data file" in text.stdout, text.stdout + text.stderr
     r = run("inspect", ck, "--json")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     j = json.loads(r.stdout)
     assert [f["present"] for f in j["file_sizes"]] == [True, False]
     assert any("missing data file" in p and "rank_00001" in p for p in j["problems"])
