@@ -183,8 +183,10 @@ Command convert_command() {
                   "as DeepSpeed's PipelineModule makes them; default: equal)")
         ->delimiter(',');
     s->add_option("--memory-budget", a->budget, "Per-rank staging budget per wave (e.g. 1GiB; default 1GiB)");
-    s->add_option("--step", a->step, "Output step folder name (default step-<source iteration>)");
-    s->add_option("--source-step", a->source_step, "Source step to read (default: the one `latest` names)");
+    // One meaning per flag across the commands: --step is the step read (as in plan, inspect,
+    // verify), --out-step the step folder written.
+    s->add_option("--step,--source-step", a->source_step, "Source step to read (default: the one `latest` names)");
+    s->add_option("--out-step", a->step, "Output step folder name (default step-<source iteration>)");
     s->add_option("--model", a->model, "Model YAML where the source files do not record it (DeepSpeed)");
     s->add_option("--target-qkv-order", a->qkv_order,
                   "Fused QKV row order of the output: interleaved ([groups, heads/groups+2, head_dim] per tp rank: "

@@ -32,7 +32,7 @@ Command synth_command() {
         ->check(CLI::Validator(
             [](std::string& v) { return v.find('-') == std::string::npos ? std::string() : "must be >= 0, got " + v; },
             "SEED"));
-    s->add_option("--step", a->step, "Step folder name (default step-<iteration>, iteration = 1 + seed % 1000)");
+    s->add_option("--out-step", a->step, "Step folder name to write (default step-<iteration>, iteration = 1 + seed % 1000)");
     return s;
   };
   c.run = [a]() {

@@ -38,6 +38,21 @@ def test_version_help_and_unknown_commands():
     assert r.returncode == 2 and "unknown command 'nope'" in r.stderr, r.stderr
 
 
+def test_step_is_the_step_read_in_every_command(tmp_path):
+    """--step names the step read (plan, inspect, verify, convert); --out-step the step folder
+    written (convert, synth)."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    for seed, name in ((1, "s1"), (2, "s2")):  # iteration = 1 + seed
+        r = run("synth", ck, "--model", "tiny-gpt", "--layout", "tp=1,dp=1,zero=0", "--seed", seed, "--out-step", name)
+        assert r.returncode == 0, r.stderr
+    assert json.loads(run("inspect", ck, "--json").stdout)["iteration"] == 3  # latest: s2
+    assert json.loads(run("inspect", ck, "--step", "s1", "--json").stdout)["iteration"] == 2
+    r = run("convert", ck, out, "--target", "tp=1,dp=1,zero=1", "--step", "s1", "--out-step", "conv")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(run("inspect", out, "--step", "conv", "--json").stdout)
+    assert j["iteration"] == 2 and j["layout"].endswith("zero=1"), j["layout"]
+
+
 def test_plan_gpt3_175b_json_has_job_totals():
     r = run("plan", "--model", ROOT / "configs/models/gpt3-175b.yaml", "--source", "tp=8,pp=16,dp=8,zero=1",
             "--target", "tp=4,pp=8,dp=32,zero=1", "--json")

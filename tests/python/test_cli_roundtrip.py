@@ -77,17 +77,17 @@ def test_convert_round_trip_is_bitwise(tmp_path, la, lb):
 
 def test_convert_step_name_option(tmp_path):
     a = synth(tmp_path / "a", "tp=2,dp=1")
-    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=2,zero=1", "--step", "mystep", "--memory-budget", "1MiB")
+    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=2,zero=1", "--out-step", "mystep", "--memory-budget", "1MiB")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b" / "mystep" / "metadata.json").is_file()
     assert_bitwise_equal(a, tmp_path / "b")
     # The same OUT step again: refused (a converted checkpoint is never replaced silently), then
     # replaced with --overwrite.
     before = (tmp_path / "b" / "mystep" / "metadata.json").read_bytes()
-    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=1,zero=1", "--step", "mystep")
+    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=1,zero=1", "--out-step", "mystep")
     assert r.returncode == 2 and "already holds a checkpoint; pass --overwrite" in r.stderr, r.stderr
     assert (tmp_path / "b" / "mystep" / "metadata.json").read_bytes() == before
-    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=1,zero=1", "--step", "mystep", "--overwrite")
+    r = run("convert", a, tmp_path / "b", "--target", "tp=1,dp=1,zero=1", "--out-step", "mystep", "--overwrite")
     assert r.returncode == 0, r.stderr
     assert "dp=1," in json.loads((tmp_path / "b" / "mystep" / "metadata.json").read_text())["topology"]
     # OUT inside the source's step folder (the step folder itself, or a folder in it) is refused
@@ -140,7 +140,7 @@ def test_convert_refuses_outs_that_would_lose_or_hide_data(tmp_path):
     assert not (tmp_path / "missing").exists()
     # Step names are checked before anything else (the same message with or without --overwrite).
     for extra in ((), ("--overwrite",)):
-        refused(tmp_path / "o3", "step name '..' is not allowed", "--step", "..", *extra)
+        refused(tmp_path / "o3", "step name '..' is not allowed", "--out-step", "..", *extra)
 
 
 def mpirun(k, *args):

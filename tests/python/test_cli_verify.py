@@ -72,7 +72,7 @@ def test_flipped_byte(ckpt, tmp_path):
     assert "rank_00001.safetensors" in line and f"bytes [{lo}, {hi})" in line and "xxh3 mismatch" in line, line
     assert not out.exists()
     # an OUT that already holds a checkpoint gets no new step
-    r = run("synth", out, "--model", MODEL, "--layout", "tp=1", "--seed", 9, "--step", "old")
+    r = run("synth", out, "--model", MODEL, "--layout", "tp=1", "--seed", 9, "--out-step", "old")
     assert r.returncode == 0
     r = run("convert", ckpt, out, "--target", "tp=1,pp=1,dp=1,zero=0")
     assert r.returncode == 2

@@ -133,7 +133,7 @@ def test_a_trainer_save_and_a_convert_into_one_root_both_land_whole(tmp_path):
     sd = src / (src / "latest").read_text().strip()
     files = {r: load_file(str(sd / f"rank_{r:05d}.safetensors")) for r in range(L.world_size)}
     tensors = [files[b["rank"]][b["name"]].clone() for b in L.buffers]
-    procs = [subprocess.Popen([str(CLI), "convert", str(src), str(out), "--target", f"dp={i},zero=1", "--step", f"conv-{i}"],
+    procs = [subprocess.Popen([str(CLI), "convert", str(src), str(out), "--target", f"dp={i},zero=1", "--out-step", f"conv-{i}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in (1, 4)]
     for k in range(3):
         reshard.save_all_ranks(str(out), f"step-{k}", L, tensors, state=dict(c.state))

@@ -56,7 +56,7 @@ def ck(tmp_path):
     if reshard is not None:
         reshard.synth_checkpoint(str(root), str(MODEL), SRC, 5)
     elif CLI.exists():
-        r = cli("synth", root, "--model", MODEL, "--layout", SRC, "--seed", 5, "--step", "step-1")
+        r = cli("synth", root, "--model", MODEL, "--layout", SRC, "--seed", 5, "--out-step", "step-1")
         assert r.returncode == 0, r.stderr
     else:
         pytest.skip("neither the CLI nor the extension is built")
