@@ -17,6 +17,8 @@
 #include <filesystem>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.h"
 #include "formats/native/native_internal.h"
 #include "io/file.h"
@@ -39,6 +41,7 @@ struct ConvertArgs {
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   bool no_dedup = false;
   bool overwrite = false;  // replace an existing OUT/<step> (atomically); otherwise refused
+  bool json = false;       // one JSON object on stdout instead of the text summary
 };
 
 
@@ -206,6 +209,7 @@ Command convert_command() {
                   "free (only what is read as whole pieces / records; a warning says how much), off")
         ->check(CLI::IsMember({"full", "free", "off"}));
     s->add_flag("--no-dedup", a->no_dedup, "Each rank reads what it needs (no fan-out)");
+    s->add_flag("--json", a->json, "Print one JSON object (what was written, the load report) instead of text");
     s->add_flag("--overwrite", a->overwrite, "Replace OUT's step folder if it exists (atomically); without it "
                 "an existing step is refused");
     return s;
@@ -321,7 +325,16 @@ Command convert_command() {
         lo.verify = a->verify == "full" ? "off" : a->verify;  // "full": every unit was checked above
         LoadReport r = load(*ckpt, target, ptrs, *comm, lo);
         save_native(a->out, step, target, cptrs, state, *comm, /*replace_step=*/a->overwrite);
-        if (rank == 0) {
+        if (rank == 0 && a->json) {
+          nlohmann::ordered_json j;
+          j["output"] = io::join(a->out, step);
+          j["ranks"] = comm->size();
+          j["seconds"] = since(t0);
+          j["verify"] = a->verify;
+          j["report"] = nlohmann::ordered_json::parse(r.to_json());
+          std::printf("%s\n", j.dump(1).c_str());
+          if (a->verify != "full") warn_unchecked(a->verify, r.bytes_unchecked, r.bytes_read - r.bytes_reread_on_node);
+        } else if (rank == 0) {
           std::fputs(r.to_text().c_str(), stdout);
           // Re-reads by a second rank of a machine are checked once (by the first), not again.
           if (a->verify != "full") warn_unchecked(a->verify, r.bytes_unchecked, r.bytes_read - r.bytes_reread_on_node);
@@ -352,6 +365,26 @@ Command convert_command() {
               !ckpt->has_checksum(f.file, f.byte_base, f.bytes()))
             unchecked += f.bytes();
         save_native_all_ranks(a->out, step, target, cptrs, state, /*replace_step=*/a->overwrite);
+        if (a->json) {
+          nlohmann::ordered_json j;
+          j["output"] = io::join(a->out, step);
+          j["ranks"] = 1;
+          j["seconds"] = since(t0);
+          j["verify"] = a->verify;
+          j["source_layout"] = src.layout.topo.to_string();
+          j["target_layout"] = target.topo.to_string();
+          j["change"] = plan.change;
+          j["writer"] = ckpt->writer();
+          j["bytes_read"] = plan.bytes_to_read;
+          j["target_bytes"] = plan.target_bytes;
+          j["waves"] = plan.num_waves;
+          j["bytes_unchecked"] = a->verify == "full" ? uint64_t(0) : unchecked;
+          j["notes"] = plan.notes;
+          j["not_carried"] = state.per_rank_not_carried;
+          std::printf("%s\n", j.dump(1).c_str());
+          if (a->verify != "full") warn_unchecked(a->verify, unchecked, plan.bytes_to_read);
+          return 0;
+        }
         std::printf("reshard: %s -> %s (%s), writer %s\n", src.layout.topo.to_string().c_str(),
                     target.topo.to_string().c_str(), plan.change.c_str(), ckpt->writer().c_str());
         std::printf("  read %.6f GB, wrote %.6f GB of state, %d wave(s)\n", plan.bytes_to_read / 1e9,

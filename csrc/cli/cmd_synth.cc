@@ -4,6 +4,8 @@
 // layouts with the same seed holds the same consolidated model (native.h synth_checkpoint).
 #include <cstdio>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.h"
 #include "io/file.h"
 #include "reshard/config.h"
@@ -17,6 +19,7 @@ namespace {
 struct SynthArgs {
   std::string out, model, layout, step;
   uint64_t seed = 0;
+  bool json = false;
 };
 }  // namespace
 
@@ -32,6 +35,7 @@ Command synth_command() {
         ->check(CLI::Validator(
             [](std::string& v) { return v.find('-') == std::string::npos ? std::string() : "must be >= 0, got " + v; },
             "SEED"));
+    s->add_flag("--json", a->json, "Print one JSON object (what was written) instead of text");
     s->add_option("--out-step", a->step, "Step folder name to write (default step-<iteration>, iteration = 1 + seed % 1000)");
     return s;
   };
@@ -46,6 +50,18 @@ Command synth_command() {
       fail(ErrorCode::kInvalidArgument, "synth: ", a->out, " is a file; give a folder to write the checkpoint into");
     const std::string step = a->step.empty() ? "step-" + std::to_string(1 + a->seed % 1000) : a->step;
     synth_checkpoint(a->out, m, t, a->seed, step);
+    if (a->json) {
+      nlohmann::ordered_json j;
+      j["output"] = io::join(a->out, step);
+      j["model"] = m.name;
+      j["layout"] = t.to_string();
+      j["ranks"] = t.world_size();
+      j["state_bytes"] = L.total_bytes();
+      j["seed"] = a->seed;
+      j["iteration"] = 1 + a->seed % 1000;
+      std::printf("%s\n", j.dump(1).c_str());
+      return 0;
+    }
     std::printf("wrote %s/%s: model %s, layout %s, %d rank file(s), %.3f GB of state, seed %llu\n", a->out.c_str(),
                 step.c_str(), detail::one_line(m.name).c_str(), t.to_string().c_str(), t.world_size(), L.total_bytes() / 1e9,
                 (unsigned long long)a->seed);

@@ -53,6 +53,24 @@ def test_step_is_the_step_read_in_every_command(tmp_path):
     assert j["iteration"] == 2 and j["layout"].endswith("zero=1"), j["layout"]
 
 
+def test_synth_and_convert_json(tmp_path):
+    """synth --json and convert --json print one JSON object on stdout: what was written, and for
+    convert the change, bytes and what no check covered (one process; under mpirun the load
+    report)."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    r = run("synth", ck, "--model", "tiny-gpt", "--layout", "tp=2,dp=1,zero=1", "--seed", 4, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["output"] == str(ck / "step-5") and j["ranks"] == 2 and j["iteration"] == 5 and j["state_bytes"] > 0, j
+    r = run("convert", ck, out, "--target", "tp=4,dp=1,zero=1", "--json", "--verify", "free")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)  # the warning about unchecked bytes goes to stderr, not into the JSON
+    assert j["output"] == str(out / "step-5") and j["change"] == "tp 2->4, ZeRO-1 partitions re-cut", j
+    assert j["writer"] == "native" and j["verify"] == "free" and 0 < j["bytes_unchecked"] <= j["bytes_read"], j
+    assert "left" in r.stderr and "unchecked" in r.stderr, r.stderr
+    assert json.loads(run("inspect", out, "--json").stdout)["layout"] == "tp=4,pp=1,vpp=1,dp=1,zero=1"
+
+
 def test_plan_gpt3_175b_json_has_job_totals():
     r = run("plan", "--model", ROOT / "configs/models/gpt3-175b.yaml", "--source", "tp=8,pp=16,dp=8,zero=1",
             "--target", "tp=4,pp=8,dp=32,zero=1", "--json")
