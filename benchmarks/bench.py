@@ -240,34 +240,30 @@ class Bench:
                                 "save-dcp", env=self.env_for(src["world"]))
         self.info["write_seconds"]["dcp"] = dt
 
-    def save_deepspeed(self):
-        src = parse_layout(self.a.source)
-        self.ds = os.path.join(self.data, "deepspeed")
-        shutil.rmtree(self.ds, ignore_errors=True)
+    def ds_save(self, layout, name):
+        """Saves the benchmark model with the reference trainer at `layout` into DATA/name after one
+        step (ZeRO-2/3: the plain DeepSpeedEngine on GPTModel, else the PipelineEngine); returns
+        (root, tag)."""
+        src = parse_layout(layout)
+        root = os.path.join(self.data, name)
+        shutil.rmtree(root, ignore_errors=True)
+        plain = ["--no-pipeline"] if src["zero"] >= 2 else []
         cmd = mpirun(src["world"]) + [
-            PY, "-m", "integration.megatron_deepspeed.train", "--tp", str(src["tp"]), "--pp", str(src["pp"]), "--dp",
-            str(src["dp"]), "--zero", str(max(1, src["zero"])), "--steps", "1", "--save", self.ds, "--quiet",
-            "--micro-batch", "1", "--global-batch", str(src["dp"])
+            PY, "-m", "integration.megatron_deepspeed.train"] + plain + [
+            "--tp", str(src["tp"]), "--pp", str(src["pp"]), "--dp", str(src["dp"]), "--zero", str(max(1, src["zero"])),
+            "--steps", "1", "--save", root, "--quiet", "--micro-batch", "1", "--global-batch", str(src["dp"])
         ] + self.model.trainer_flags()
-        _, _, dt = self.r.run(cmd, "save-deepspeed", env=self.env_for(src["world"]))
-        self.info["write_seconds"]["deepspeed"] = dt
-        with open(os.path.join(self.ds, "latest")) as f:
-            self.ds_tag = f.read().strip()
+        _, _, dt = self.r.run(cmd, "save-" + name.replace("_", "-"), env=self.env_for(src["world"]))
+        self.info["write_seconds"][name] = dt
+        with open(os.path.join(root, "latest")) as f:
+            return root, f.read().strip()
+
+    def save_deepspeed(self):
+        self.ds, self.ds_tag = self.ds_save(self.a.source, "deepspeed")
 
     def save_deepspeed_zero3(self):
         """The ZeRO-3 case: the plain DeepSpeedEngine (GPTModel) at the --zero3 source layout."""
-        src = parse_layout(self.zero3_source)
-        self.ds3 = os.path.join(self.data, "deepspeed_zero3")
-        shutil.rmtree(self.ds3, ignore_errors=True)
-        cmd = mpirun(src["world"]) + [
-            PY, "-m", "integration.megatron_deepspeed.train", "--no-pipeline", "--tp", str(src["tp"]), "--pp", "1",
-            "--dp", str(src["dp"]), "--zero", "3", "--steps", "1", "--save", self.ds3, "--quiet",
-            "--micro-batch", "1", "--global-batch", str(src["dp"])
-        ] + self.model.trainer_flags()
-        _, _, dt = self.r.run(cmd, "save-deepspeed-zero3", env=self.env_for(src["world"]))
-        self.info["write_seconds"]["deepspeed_zero3"] = dt
-        with open(os.path.join(self.ds3, "latest")) as f:
-            self.ds3_tag = f.read().strip()
+        self.ds3, self.ds3_tag = self.ds_save(self.zero3_source, "deepspeed_zero3")
         self.ds3_ok = True
 
     def data_files(self, fmt):
