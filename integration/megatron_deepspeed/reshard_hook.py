@@ -7,7 +7,7 @@ into the live DeepSpeed engine in place, and save the live engine in reshard's n
 What is filled (torch AdamW): the PipelineEngine with ZeRO-1 or BF16_Optimizer, and the plain
 DeepSpeedEngine of ``--no-pipeline`` (GPTModel) with ZeRO-0 (fp32: the torch optimizer itself;
 fp16: FP16_UnfusedOptimizer), ZeRO-1, ZeRO-2 or ZeRO-3 (there the weights are each rank's ZeRO-3
-partitions, ``param.ds_tensor``; reshard.megatron.EngineView):
+partitions, ``param.ds_tensor``; reshard.integrations.megatron_deepspeed.EngineView):
   * module weights (the 16-bit/bit16 copies DeepSpeed keeps in its flat groups; fp32 runs keep
     float32 there), from the checkpoint's weights, via canonical names (include/reshard/model.h);
   * the ZeRO optimizer's flat fp32 partitions (engine.optimizer.single_partition_of_fp32_groups),
@@ -23,7 +23,7 @@ partitions, ``param.ds_tensor``; reshard.megatron.EngineView):
     state is a pickle, every rank reseeds deterministically from (seed, iteration, rank) and the
     report says so (failures.md B19).
 
-The engine part is reshard.megatron's (EngineView, fill_engine), shared with upstream
+The engine part is reshard.integrations.megatron_deepspeed's (EngineView, fill_engine), shared with upstream
 Megatron-DeepSpeed's trainer. Every rank gathers every other rank's (pp, tp) param-group
 description, so the target layout covers the whole job and every rank plans the same load. Errors are reshard.Error subclasses,
 raised on every rank; a planning or pre-flight error leaves every live tensor untouched.
@@ -45,7 +45,7 @@ from typing import List, Optional, Tuple
 import torch.distributed as dist
 
 import reshard
-import reshard.megatron as RM
+import reshard.integrations.megatron_deepspeed as RM
 
 from . import model as M
 
@@ -87,13 +87,13 @@ def write_model_yaml(cfg: M.GPTConfig, path: str) -> str:
 
 
 def canonical_name(live: str, cfg: M.GPTConfig) -> str:
-    """Canonical tensor name of a GPTModelPipe parameter name (reshard.megatron.pipe_canonical_name:
+    """Canonical tensor name of a GPTModelPipe parameter name (reshard.integrations.megatron_deepspeed.pipe_canonical_name:
     the reference model's specs are numbered as upstream's)."""
     return RM.pipe_canonical_name(live, cfg.num_layers)
 
 
 def LiveState(engine, cfg: M.GPTConfig) -> RM.EngineView:
-    """This rank's view of the reference trainer's live engine (reshard.megatron.EngineView), with
+    """This rank's view of the reference trainer's live engine (reshard.integrations.megatron_deepspeed.EngineView), with
     ranks from the PipelineEngine's grid and the model's own tensor-parallel rank. Collective."""
     if not hasattr(engine, "grid"):
         # The trainer's --no-pipeline engine: a plain DeepSpeedEngine on GPTModel (ZeRO 0-3), one

@@ -51,7 +51,7 @@ def dump_engine(engine, path: str, extra: dict = None):
             d["exp_avg_sq"].append(st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None)
         s = st.get("step")
         d["step"].append(None if s is None else float(s))
-    import reshard.megatron as RM
+    import reshard.integrations.megatron_deepspeed as RM
     d["loss_scaler"] = RM.loss_scaler_state(live.zopt)
     d["global_steps"] = int(engine.global_steps)
     d["global_samples"] = int(engine.global_samples)

@@ -1,4 +1,4 @@
-"""reshard.megatron outside a trainer: the model description it builds from a Megatron(-DeepSpeed)
+"""reshard.integrations.megatron_deepspeed outside a trainer: the model description it builds from a Megatron(-DeepSpeed)
 `args` Namespace equals the one the DeepSpeed reader builds from the same `args` saved in
 upstream's files (tests/data/upstream_mds), names map as upstream's modules name parameters, and
 the fused QKV order is read off the live attention code."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(REPO, "python"), REPO]
+sys.path.insert(0, REPO)  # the reference trainer (integration/); reshard is the installed package
 import reshard  # noqa: E402
-import reshard.megatron as RM  # noqa: E402
+import reshard.integrations.megatron_deepspeed as RM  # noqa: E402
 
 DATA = os.path.join(REPO, "tests", "data", "upstream_mds")
 CASES = ["head_tp2pp2_fp32", "head_tp2pp2_bf16", "pre_fpdt_tp2pp2_fp32", "pre_fpdt_gqa_tp2pp2_fp32"]

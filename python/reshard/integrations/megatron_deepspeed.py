@@ -8,7 +8,7 @@ change one line of ``megatron/training.py``'s ``setup_model_and_optimizer``,
 
 to
 
-    from reshard.megatron import load_checkpoint as reshard_load_checkpoint
+    from reshard.integrations.megatron_deepspeed import load_checkpoint as reshard_load_checkpoint
     args.iteration = reshard_load_checkpoint(model, optimizer, opt_param_scheduler)
 
 and the job resumes from ``--load`` whatever tp, pp or dp the checkpoint was saved under (see
@@ -149,7 +149,7 @@ def live_qkv_order(module: torch.nn.Module, args=None) -> Optional[str]:
             "cannot tell the fused QKV row order of the running code: its ParallelAttention "
             f"{'has' if blocked else 'lacks'} kv_projection_size (the blocked split of Megatron-DeepSpeed since "
             f"676a482c) but its args {'lack' if blocked else 'have'} ds_sequence_parallel_fpdt (the argument the same "
-            "change added); pass qkv_order='interleaved' or 'blocked' to reshard.megatron.load_checkpoint")
+            "change added); pass qkv_order='interleaved' or 'blocked' to reshard.integrations.megatron_deepspeed.load_checkpoint")
     if blocked:
         for a in attns:
             nq = getattr(a, "num_attention_heads_per_partition", None)
@@ -801,7 +801,7 @@ def _megatron():
         import megatron
         from megatron.core import mpu
     except ImportError as e:
-        raise reshard.FailedPrecondition(f"reshard.megatron.load_checkpoint runs inside a Megatron-DeepSpeed trainer "
+        raise reshard.FailedPrecondition(f"reshard.integrations.megatron_deepspeed.load_checkpoint runs inside a Megatron-DeepSpeed trainer "
                                          f"(import megatron failed: {e})") from None
     return megatron, mpu
 
@@ -879,7 +879,7 @@ def load_checkpoint(model, optimizer=None, opt_param_scheduler=None, args=None, 
     rank = dist.get_rank()
     for flag in ("finetune", "no_load_optim", "universal_checkpoint"):
         if getattr(args, flag, False):
-            raise reshard.Unsupported(f"args.{flag} is set: reshard.megatron.load_checkpoint loads the whole training "
+            raise reshard.Unsupported(f"args.{flag} is set: reshard.integrations.megatron_deepspeed.load_checkpoint loads the whole training "
                                       f"state; use upstream's load_checkpoint for --{flag.replace('_', '-')}")
     if not load_dir:
         raise reshard.InvalidArgument(f"args.{load_arg} is not set: nothing to load")
