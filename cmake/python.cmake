@@ -1,13 +1,24 @@
-# The Python extension `reshard._C` (pybind11 + LibTorch), built into python/reshard/ so that
+# The Python extension `reshard._C` (pybind11 + LibTorch). Included by the top-level CMakeLists when
+# RESHARD_BUILD_PYTHON=ON. Built by `pip install --no-build-isolation .` (scikit-build-core, SKBUILD
+# set), it is installed into the package; a plain CMake build writes it into python/reshard/ so that
 #   PYTHONPATH=<repo>/python python -c "import reshard"
-# works straight from the source tree. Included by the top-level CMakeLists when
-# RESHARD_BUILD_PYTHON=ON. Needs the venv's Python (-DPython_EXECUTABLE) and torch's and pybind11's
-# CMake folders on CMAKE_PREFIX_PATH (scripts/setup.sh passes both).
+# works from the source tree (benchmarks/gpu_check.sh builds that way). The Python that builds it
+# (-DPython_EXECUTABLE, or the one pip runs) must import torch and pybind11: their CMake folders
+# are asked of it.
 #
 # Only csrc/python/torch_bindings.cc includes torch headers (compile time on small machines); the
 # communicator that calls back into torch.distributed (csrc/python/torch_comm.cc) needs only pybind11.
 
 find_package(Python COMPONENTS Interpreter Development.Module REQUIRED)
+execute_process(
+  COMMAND ${Python_EXECUTABLE} -c "import torch.utils, pybind11; print(torch.utils.cmake_prefix_path + ';' + pybind11.get_cmake_dir())"
+  OUTPUT_VARIABLE RESHARD_PY_CMAKE_DIRS OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE RESHARD_PY_RC)
+if(NOT RESHARD_PY_RC EQUAL 0)
+  message(FATAL_ERROR "${Python_EXECUTABLE} cannot import torch and pybind11, which the extension builds "
+          "against. Install torch first, then `pip install --no-build-isolation .` (an isolated build has no torch), "
+          "or configure with -DRESHARD_BUILD_PYTHON=OFF.")
+endif()
+list(APPEND CMAKE_PREFIX_PATH ${RESHARD_PY_CMAKE_DIRS})
 find_package(pybind11 CONFIG REQUIRED)
 
 # The CPU wheel's TorchConfig needs no CUDA; keep its CUDA probing off on hosts that have a toolkit.
@@ -25,10 +36,18 @@ file(GLOB RESHARD_PY_SRC CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/csrc/python/*.cc)
 pybind11_add_module(reshard_python MODULE NO_EXTRAS ${RESHARD_PY_SRC})
 set_target_properties(reshard_python PROPERTIES
   OUTPUT_NAME _C
-  LIBRARY_OUTPUT_DIRECTORY ${CMAKE_SOURCE_DIR}/python/reshard
   # torch's libraries are loaded by `import torch` (reshard/__init__.py imports it first); the
-  # rpath only helps tools that open the module without Python.
-  BUILD_RPATH "${RESHARD_TORCH_LIB_DIR}")
+  # rpaths only help tools that open the module without Python. Installed, torch lies beside the
+  # package in the same site-packages.
+  BUILD_RPATH "${RESHARD_TORCH_LIB_DIR}"
+  INSTALL_RPATH "$ORIGIN/../torch/lib")
+if(NOT SKBUILD)
+  set_target_properties(reshard_python PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_SOURCE_DIR}/python/reshard)
+endif()
 target_include_directories(reshard_python PRIVATE ${CMAKE_SOURCE_DIR}/csrc ${TORCH_INCLUDE_DIRS})
 target_compile_definitions(reshard_python PRIVATE TORCH_EXTENSION_NAME=_C)
 target_link_libraries(reshard_python PRIVATE reshard ${TORCH_LIBRARIES} ${RESHARD_TORCH_PYTHON_LIB})
+
+if(SKBUILD)
+  install(TARGETS reshard_python LIBRARY DESTINATION reshard)
+endif()

@@ -38,7 +38,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 if [[ ! -d $OUT/seeds ]]; then
   "$PY" tests/fuzz/make_corpus.py "$OUT/seeds" || echo "fuzz: no zip/pickle seeds (torch missing?)"
-  PYTHONPATH="$ROOT/python" "$PY" tests/fuzz/make_native_corpus.py "$OUT/seeds" || echo "fuzz: no native seeds"
+  "$PY" tests/fuzz/make_native_corpus.py "$OUT/seeds" || echo "fuzz: no native seeds"
 fi
 declare -A SEEDS=([fuzz_zip]=zip [fuzz_pickle]=pickle [fuzz_safetensors]=safetensors [fuzz_metadata]=metadata)
 

@@ -51,7 +51,7 @@ echo "==== sanitize stage 2: library, writer, YAML and CLI ($FULL_BUILD_DIR)"
 # The CLI under the sanitizers, through the tests that drive it. The Python package these tests
 # import is the regular build's (libtorch is not sanitized); only the CLI binary changes.
 export RESHARD_CLI="$ROOT/$FULL_BUILD_DIR/bin/reshard"
-export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/python/test_cli.py tests/python/test_cli_inspect.py tests/python/test_cli_verify.py \
   tests/python/test_cli_roundtrip.py tests/python/test_cli_diff.py tests/python/test_cli_writers_and_sizes.py \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs everything reshard needs and builds it into build/. Idempotent: a second run only
-# rebuilds what changed. Debian 12 or 13 (OpenMPI 4 or 5), Python 3.11 with the local
+# Installs everything reshard needs, builds it into build/ and installs the `reshard` package
+# editable into .venv (pip install -e ., scikit-build-core over CMake; the C++ tests and benchmarks
+# are built too). Idempotent: a second run only rebuilds what changed. Debian 12 or 13 (OpenMPI 4 or 5), Python 3.11 with the local
 # torch==2.13.0 CPU wheel.
 #   RESHARD_SKIP_APT=1     skip apt-get (packages already there)
 #   RESHARD_SETUP_FUZZ=1   also install clang and its libFuzzer runtime (scripts/fuzz.sh)
@@ -40,8 +41,9 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
 fi
 # Pin torch so that nothing below can pull another build.
 echo "torch==2.13.0" > .venv/constraints.txt
-PIP_REQS=(numpy pytest matplotlib pybind11 ninja "cmake<5" pyyaml safetensors psutil tqdm nvidia-nccl-cu13)
-if ! "$VPY" -c "import numpy, pytest, matplotlib, pybind11, yaml, safetensors, psutil, tqdm, nvidia.nccl" 2>/dev/null; then
+PIP_REQS=(numpy pytest matplotlib pybind11 ninja "cmake<5" pyyaml safetensors psutil tqdm nvidia-nccl-cu13
+  "scikit-build-core>=0.10")
+if ! "$VPY" -c "import numpy, pytest, matplotlib, pybind11, yaml, safetensors, psutil, tqdm, nvidia.nccl, scikit_build_core" 2>/dev/null; then
   echo "[setup] pip install ${PIP_REQS[*]}"
   "$VPY" -m pip install -q -c .venv/constraints.txt "${PIP_REQS[@]}"
 fi
@@ -68,16 +70,20 @@ if b is not None:
 PY
 fi
 
-# Build.
+# Build: `pip install -e .` runs CMake (scikit-build-core) in build/ with the C++ tests and
+# benchmarks on, and installs the package editable: `import reshard` and the `reshard` console
+# script work from any directory with .venv active; the Python sources are the checkout's.
 BUILD_TYPE=${RESHARD_BUILD_TYPE:-Release}
-TORCH_CMAKE=$("$VPY" -c "import torch; print(torch.utils.cmake_prefix_path)")
-PYBIND_CMAKE=$("$VPY" -c "import pybind11; print(pybind11.get_cmake_dir())")
-CMAKE=$ROOT/.venv/bin/cmake
-if [[ ! -f build/CMakeCache.txt ]]; then
-  "$CMAKE" -S . -B build -G Ninja -DCMAKE_MAKE_PROGRAM="$ROOT/.venv/bin/ninja" \
-    -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
-    -DPython_EXECUTABLE="$VPY" -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$PYBIND_CMAKE" >/dev/null
+# A build/ configured by hand with another generator cannot be reused by scikit-build-core.
+if [[ -f build/CMakeCache.txt ]] && ! grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' build/CMakeCache.txt; then
+  echo "[setup] build/ was configured with another generator; starting it afresh"
+  rm -rf build
 fi
-echo "[setup] building (build/)"
-"$CMAKE" --build build -j"$(nproc)"
+# The extension lives in the package now; one a plain CMake build left in the tree would shadow it.
+rm -f python/reshard/_C*.so
+echo "[setup] building and installing (build/; about 12 min from scratch on 2 cores)"
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+"$VPY" -m pip install -q --no-build-isolation --no-deps -c .venv/constraints.txt -e . \
+  -Cbuild-dir=build -Ccmake.build-type="$BUILD_TYPE" \
+  -Ccmake.define.RESHARD_BUILD_TESTS=ON -Ccmake.define.RESHARD_BUILD_BENCHMARKS=ON
 echo "[setup] done"

@@ -16,9 +16,19 @@ bool exists(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0;
 }
 
-// Directory holding the configs: $RESHARD_HOME, else the source tree the binary was built from.
+// Directory holding the configs: $RESHARD_HOME/configs, else ../configs beside the binary (the
+// installed package: reshard/bin/reshard and reshard/configs), else the source tree the binary
+// was built from.
 std::string configs_dir() {
   if (const char* h = std::getenv("RESHARD_HOME")) return std::string(h) + "/configs";
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n > 0) {
+    std::string dir(exe, size_t(n));
+    dir = dir.substr(0, dir.find_last_of('/'));
+    const std::string installed = dir + "/../configs";
+    if (exists(installed + "/models")) return installed;
+  }
 #ifdef RESHARD_SOURCE_DIR
   return std::string(RESHARD_SOURCE_DIR) + "/configs";
 #else

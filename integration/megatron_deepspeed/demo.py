@@ -81,7 +81,6 @@ def main(argv=None):
                ["--save-native", os.path.join(ckpt, "native"), "--save", os.path.join(ckpt, "deepspeed"),
                 "--save-interval", str(K), "--steps", str(K + N)], out, args.timeout)
 
-    sys.path.insert(0, os.path.join(REPO, "python"))
     import reshard
     fmt = args.checkpoint_format
     if fmt == "auto":

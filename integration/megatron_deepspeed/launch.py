@@ -38,7 +38,7 @@ def mpirun_module(module: str, tp: int, pp: int, dp: int, args: Sequence[str],
            "--dp", str(dp)] + list(args)
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"), REPO]),
+               OMP_NUM_THREADS="1", PYTHONPATH=REPO,  # the reference trainer; reshard is the installed package
                # DeepSpeed JIT-builds its CPU shm op at init; a per-venv build folder keeps jobs of
                # other checkouts (another venv) from invalidating it or holding its lock.
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".venv", "torch_extensions")))

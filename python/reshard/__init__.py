@@ -2,8 +2,9 @@
 running under another, resharding weights and optimizer state (fp32 master, exp_avg, exp_avg_sq,
 step) on the fly.
 
-Build the extension first (scripts/setup.sh, or cmake with RESHARD_BUILD_PYTHON=ON: it writes
-python/reshard/_C*.so), then ``PYTHONPATH=<repo>/python python -c "import reshard"``.
+Install: ``pip install --no-build-isolation .`` from the repository (torch installed first; the
+extension compiles against it), or ``scripts/setup.sh``, which installs it editable into .venv.
+Trainer integrations are under :mod:`reshard.integrations` (``reshard.integrations.megatron_deepspeed``).
 
 Vocabulary (include/reshard/*.h):
 
@@ -30,8 +31,19 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import torch  # loads libtorch before the extension
 
-from . import _C
+try:
+    from . import _C
+except ImportError as _e:  # an extension built against another torch fails on its symbols
+    raise ImportError(f"reshard's C++ extension did not load with torch {torch.__version__} ({_e}); it must be "
+                      "built against the torch installed now: reinstall with `pip install --no-build-isolation "
+                      "--force-reinstall .`") from _e
 from . import rank_state
+
+try:
+    from importlib.metadata import PackageNotFoundError as _NoDist, version as _dist_version
+    __version__ = _dist_version("reshard")
+except _NoDist:  # a source tree on PYTHONPATH
+    __version__ = "0+source"
 
 __all__ = [
     "Error", "InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal",
@@ -53,8 +65,12 @@ Layout = _C.Layout
 Checkpoint = _C.Checkpoint
 Communicator = _C.Communicator
 
-_REPO_CONFIGS = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))),
-                              "configs", "models")
+# The model presets: configs/models beside the installed extension (the package's built files;
+# site-packages in an editable install too), else configs/models of the source tree.
+_REPO_CONFIGS = _os.path.join(_os.path.dirname(_os.path.abspath(_C.__file__)), "configs", "models")
+if not _os.path.isdir(_REPO_CONFIGS):
+    _REPO_CONFIGS = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))),
+                                  "configs", "models")
 
 _POLICY_KEYS = ("replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes", "dedup",
                 "compare_replicas", "weights_from_master", "node_local_reads", "vocab_padding")

@@ -6,7 +6,7 @@ Writes OUTDIR/safetensors/*.safetensors (the rank files of small synth checkpoin
 header plus 64 data bytes, and files from the `safetensors` package when installed: every dtype,
 __metadata__, empty tensors) and OUTDIR/metadata/*.json (metadata.json of synth checkpoints of
 several models and layouts: ZeRO 0/1/2/3, tp, pp, vpp, GQA, tied embeddings, padded vocab).
-Needs the reshard extension (python/reshard/_C*.so).
+Needs the installed reshard package (scripts/setup.sh).
 """
 import json
 import os

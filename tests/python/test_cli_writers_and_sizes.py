@@ -123,7 +123,6 @@ def test_a_writer_waits_for_the_holder_instead_of_failing(tmp_path):
 
 def test_a_trainer_save_and_a_convert_into_one_root_both_land_whole(tmp_path):
     """reshard.save_all_ranks in this process while convert processes write the same root."""
-    sys.path.insert(0, str(ROOT / "python"))
     reshard = pytest.importorskip("reshard")
     src, out = tmp_path / "src", tmp_path / "out"
     assert run("synth", src, "--model", "tiny-gpt", "--layout", "tp=1,dp=2,zero=1").returncode == 0

@@ -3,7 +3,7 @@ naming the path, tensor, region, rank or field (verify exits 1 when it finds a p
 checkpoint); Python raises the matching reshard.Error subclass with the same message. Live tensors
 are never written when a load is refused. docs/reliability.md has the table.
 
-CLI: $RESHARD_CLI or build/bin/reshard. Python: the reshard package (python/, built extension)."""
+CLI: $RESHARD_CLI or build/bin/reshard. Python: the installed reshard package."""
 import json
 import os
 import shutil
@@ -18,9 +18,6 @@ import mpi_cli
 from mpi_cli import MPIRUN
 
 ROOT = Path(__file__).resolve().parents[2]
-# The package in python/ (with its built extension), also when this file runs alone: without it the
-# Python half of these tests skipped unless another test file had put python/ on sys.path first.
-sys.path.insert(0, str(ROOT / "python"))
 CLI = Path(os.environ.get("RESHARD_CLI", ROOT / "build" / "bin" / "reshard"))
 MODEL = ROOT / "configs" / "models" / "tiny-gpt.yaml"
 SRC = "tp=2,pp=1,dp=2,zero=1"

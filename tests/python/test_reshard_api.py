@@ -13,7 +13,6 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "python"))
 reshard = pytest.importorskip("reshard", reason="build the extension first (scripts/setup.sh)")
 
 _DT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -655,8 +654,7 @@ def test_torch_communicator_gloo(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.path.join(REPO, "python"))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     r = subprocess.run(["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "4",
                         sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True, text=True,
                        timeout=240)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(REPO, "python"), REPO]
+sys.path.insert(0, REPO)  # the reference trainer (integration/); reshard is the installed package
 CLI = os.path.join(REPO, "build", "bin", "reshard")
 DATA = os.path.join(REPO, "tests", "data", "upstream_mds")
 if not os.path.exists(CLI):

@@ -1,4 +1,4 @@
-"""Upstream Megatron-DeepSpeed's own trainer resumed through reshard.megatron.load_checkpoint under
+"""Upstream Megatron-DeepSpeed's own trainer resumed through reshard.integrations.megatron_deepspeed.load_checkpoint under
 another layout: the losses after the resume equal the uninterrupted run's.
 
 Needs an upstream checkout: RESHARD_MDS_DIR names a work tree (with pretrain_gpt.py), or a git
@@ -10,7 +10,7 @@ is DOCUMENTED_CHANGE, the one line docs/megatron-deepspeed.md tells users to cha
     RESHARD_MDS_DIR=/path/to/Megatron-DeepSpeed .venv/bin/python -m pytest -m slow \\
         tests/python/test_upstream_mds_resume.py
 
-Run A trains tp=2,pp=2,dp=1 (fp32, dropout 0) for SAVE_AT + MORE steps and saves at SAVE_AT;
+The source run trains tp=2,pp=2,dp=1 (fp32, dropout 0) for SAVE_AT + MORE steps and saves at SAVE_AT;
 each resume starts upstream's trainer with --load at that step under another layout and trains
 to the same end. Megatron-DeepSpeed before its FPDT change (no --ds-sequence-parallel-fpdt)
 also runs the grouped-query model (which the blocked attention code after it cannot train).
@@ -42,7 +42,7 @@ ATOL = 1e-6
 # megatron/training.py, setup_model_and_optimizer: the one line docs/megatron-deepspeed.md changes.
 DOCUMENTED_CHANGE = (
     "            args.iteration = load_checkpoint(model, optimizer, opt_param_scheduler)\n",
-    "            from reshard.megatron import load_checkpoint as reshard_load_checkpoint\n"
+    "            from reshard.integrations.megatron_deepspeed import load_checkpoint as reshard_load_checkpoint\n"
     "            args.iteration = reshard_load_checkpoint(model, optimizer, opt_param_scheduler)\n",
 )
 
@@ -91,8 +91,7 @@ def _train(work, model, tp, pp, dp, iters, extra, log):
     n = tp * pp * dp
     _port[0] += 1
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(n), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(work, "mds"), os.path.join(work, "stub"),
-                                           os.path.join(REPO, "python")]))
+               PYTHONPATH=os.pathsep.join([os.path.join(work, "mds"), os.path.join(work, "stub")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(_port[0])] + _trainer_args(model, tp, pp, iters, extra)
     with open(log, "w") as f:
@@ -171,8 +170,7 @@ def test_a_schedule_other_than_the_saved_one_is_refused_before_any_write(upstrea
     n = 2
     _port[0] += 1
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(n), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(work, "mds"), os.path.join(work, "stub"),
-                                           os.path.join(REPO, "python")]))
+               PYTHONPATH=os.pathsep.join([os.path.join(work, "mds"), os.path.join(work, "stub")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(_port[0])] + _trainer_args("mha", 1, 2, 9, ["--load", save])
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
