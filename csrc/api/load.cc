@@ -7,6 +7,7 @@
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <sstream>
 
 #include "api/report.h"
@@ -215,6 +216,38 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
       if (!done) r.drop_mapped_pages();
     }
   } drop_mappings{ckpt};
+  if (options.on_progress) {
+    // This rank's source bytes per wave, for bytes_done / bytes_total.
+    const int me = comm.rank();
+    auto per_wave = std::make_shared<std::vector<uint64_t>>(size_t(plan.num_waves) + 1, 0);
+    for (const Fragment& f : plan.fragments)
+      for (uint32_t k = 0; k < f.num_deliveries; ++k)
+        if (plan.deliveries[f.first_delivery + k].rank == me) (*per_wave)[size_t(f.wave) + 1] += f.bytes();
+    uint64_t total = 0;
+    for (uint64_t b : *per_wave) total += b;
+    LoadProgress p;
+    p.stage = "plan";
+    p.index = p.count = 1;
+    p.bytes_total = total;
+    p.seconds = since(t0);
+    options.on_progress(p);
+    eo.on_wave_done = [per_wave, total, t0, &options, n = plan.num_waves, done = uint64_t(0)](int w) mutable {
+      LoadProgress q;
+      q.bytes_total = total;
+      if (w == 0) {
+        q.stage = "preflight";
+        q.index = q.count = 1;
+      } else {
+        done += (*per_wave)[size_t(w)];
+        q.stage = "wave";
+        q.index = w;
+        q.count = n;
+      }
+      q.bytes_done = done;
+      q.seconds = since(t0);
+      options.on_progress(q);
+    };
+  }
   ExecStats st = execute_plan(plan, target, ckpt, buffers, comm, eo);
   drop_mappings.now();  // inside the load's time
 

@@ -442,6 +442,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
   st.replica_report = run_preflight(plan, target, source, buffers, comm, opt.replica_policy, opt.replica_atol,
                                     &st, opt.verify, opt.io_threads, opt.memory_budget);
   st.preflight_seconds = seconds_since(tp0);
+  if (opt.on_wave_done) opt.on_wave_done(0);
 
   // 3. Waves. Fragments are sorted by wave; find each wave's range once.
   std::vector<size_t> wave_begin(plan.num_waves + 1, plan.fragments.size());
@@ -1001,6 +1002,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     }
     st.exchange_seconds += seconds_since(tf);
     st.peak_staging_bytes = std::max<uint64_t>(st.peak_staging_bytes, stage_bytes + total_send + total_recv + fan_bytes);
+    if (opt.on_wave_done) opt.on_wave_done(w + 1);
   }
 
 

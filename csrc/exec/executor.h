@@ -44,6 +44,10 @@ struct ExecOptions {
   /// has been written; GPU targets use it to start the host-to-device copy of a finished buffer
   /// while later waves are still being read.
   std::function<void(int32_t buffer)> on_buffer_done;
+  /// Called (on the executing thread) after the pre-flight with wave = 0, then after each wave
+  /// with wave = 1..plan.num_waves, once that wave's fragments are in this rank's live tensors
+  /// (progress reports; LoadOptions::on_progress).
+  std::function<void(int wave)> on_wave_done;
 };
 
 struct ExecStats {

@@ -6,6 +6,7 @@
 //   reshard::LoadReport r = reshard::load(*ckpt, target, my_buffers, comm);
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,17 @@
 #include "reshard/plan.h"
 
 namespace reshard {
+
+/// One step of a load as it finishes (LoadOptions::on_progress), on this rank.
+struct LoadProgress {
+  /// "plan" (planned, options agreed), "preflight" (files, replicas and verify="full"'s pass
+  /// checked; nothing written yet), "wave" (one wave's fragments are in this rank's live tensors).
+  const char* stage = "";
+  int index = 0, count = 0;    // "wave": 1..count (count = Plan::num_waves); other stages: 1 of 1
+  uint64_t bytes_done = 0;     // this rank: source bytes of the fragments delivered to it so far
+  uint64_t bytes_total = 0;    // this rank: source bytes of all fragments delivered to it
+  double seconds = 0;          // since load() began
+};
 
 struct LoadOptions {
   PlanOptions plan;
@@ -50,6 +62,10 @@ struct LoadOptions {
   /// no value of a piece that fails its check stays in a live tensor (never copied, or
   /// overwritten with NaN). Another value is kInvalidArgument.
   std::string verify = "free";
+  /// Called on the thread that called load(), on every rank, after planning, after the
+  /// pre-flight and after each wave (a progress bar, a log line). It must not throw: the other
+  /// ranks would wait for this one in the next collective. Empty: no calls.
+  std::function<void(const LoadProgress&)> on_progress;
 };
 
 struct LoadReport {

@@ -794,6 +794,58 @@ TEST(MpiLoad, TheUncheckedNoteCountsFragmentsNotTotals) {
   if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// LoadOptions::on_progress: on every rank, "plan", then "preflight", then one "wave" per wave in
+// order, with this rank's bytes growing to its total; the totals over the ranks are the source
+// bytes of every delivery, and the callback changes no value.
+TEST(MpiLoad, ProgressReportsEachStepAndWaveOnEveryRank) {
+  Communicator& comm = world();
+  const int K = comm.size();
+  std::string dir = shared_dir();
+  const std::string root = dir + "/ckpt";
+  ModelConfig m = gqa_model();
+  if (comm.rank() == 0) synth_checkpoint(root, m, Topology::parse("tp=2,pp=1,dp=1,zero=1"), 31);
+  comm.barrier();
+  auto ckpt = open_checkpoint(root);
+  Layout target = derive_layout(m, Topology::parse("tp=1,pp=1,dp=" + std::to_string(K) + ",zero=1"));
+  LoadOptions o;
+  o.plan.memory_budget = 64 << 10;  // several waves
+  std::vector<LoadProgress> seen;
+  o.on_progress = [&](const LoadProgress& p) { seen.push_back(p); };
+  RankLive live(target, comm.rank());
+  LoadReport r = load(*ckpt, target, live.ptrs(), comm, o);
+  ASSERT_GE(r.waves, 2) << r.to_text();
+  ASSERT_EQ(seen.size(), size_t(r.waves) + 2);
+  EXPECT_STREQ(seen[0].stage, "plan");
+  EXPECT_STREQ(seen[1].stage, "preflight");
+  EXPECT_EQ(seen[1].bytes_done, 0u) << "nothing is written before the pre-flight ends";
+  uint64_t prev = 0;
+  for (int w = 1; w <= r.waves; ++w) {
+    const LoadProgress& p = seen[size_t(w) + 1];
+    EXPECT_STREQ(p.stage, "wave");
+    EXPECT_EQ(p.index, w);
+    EXPECT_EQ(p.count, r.waves);
+    EXPECT_GE(p.bytes_done, prev);
+    EXPECT_GE(p.seconds, seen[size_t(w)].seconds);
+    prev = p.bytes_done;
+  }
+  EXPECT_EQ(seen.back().bytes_done, seen.back().bytes_total);
+  for (const LoadProgress& p : seen) EXPECT_EQ(p.bytes_total, seen[0].bytes_total);
+  // Over the ranks: every delivery's source bytes once per receiving rank.
+  Plan plan = make_plan(ckpt->source(), target, o.plan);
+  uint64_t delivered = 0;
+  for (const Fragment& f : plan.fragments)
+    for (uint32_t k = 0; k < f.num_deliveries; ++k) delivered += f.bytes();
+  EXPECT_EQ(uint64_t(comm.all_reduce_sum(int64_t(seen[0].bytes_total))), delivered);
+  // The same values as a load without a callback.
+  LoadOptions quiet = o;
+  quiet.on_progress = nullptr;
+  RankLive live2(target, comm.rank());
+  load(*ckpt, target, live2.ptrs(), comm, quiet);
+  for (size_t b = 0; b < live.mem.size(); ++b) EXPECT_EQ(live.mem[b], live2.mem[b]) << "buffer " << b;
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // verify="full": every piece the load touches, also one cut between target ranks (a row-parallel
 // weight's columns split over tp), is read whole by one rank and checked in the pre-flight, so a
 // flipped byte fails every rank before any write. "free" does not check cut pieces; its report
