@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/progress.h"
 #include "formats/native/native_internal.h"
 #include "io/file.h"
 #include "reshard/checkpoint.h"
@@ -241,7 +242,9 @@ Command convert_command() {
     }
 #endif
     const int rank = comm ? comm->rank() : 0;
+    Progress progress(rank);
     try {
+      progress.stage("open");
       OpenOptions oo;
       oo.step = a->source_step;
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
@@ -269,6 +272,7 @@ Command convert_command() {
       a->out = out;
 
       // Plan first: coverage errors (missing files, uncovered ranges) before any read.
+      progress.stage("plan");
       Plan plan;
       try {
         plan = make_plan(src, target, po);
@@ -280,6 +284,7 @@ Command convert_command() {
         for (const auto& w : plan.warnings) std::fprintf(stderr, "reshard: warning: %s\n", detail::one_line(w).c_str());
       // Checksums of every stored piece / record, split over the ranks, before anything is written.
       if (a->verify == "full") {
+        progress.stage("checksums");
         std::vector<std::string> problems = gather_lines(comm.get(), check_pieces(*ckpt, rank, comm ? comm->size() : 1));
         std::sort(problems.begin(), problems.end());
         if (!problems.empty()) fail_checksums(problems, a->out);
@@ -287,6 +292,7 @@ Command convert_command() {
         // checkpoint would carry a disagreement on with fresh checksums.
         // Under mpirun each rank takes a share of the tensors; every rank reaches the all-gather,
         // also when its share fails to read.
+        progress.stage("weights vs master");
         MasterCheckOptions mo;
         mo.part = rank;
         mo.parts = comm ? comm->size() : 1;
@@ -323,8 +329,19 @@ Command convert_command() {
         LoadOptions lo;
         lo.plan = po;
         lo.verify = a->verify == "full" ? "off" : a->verify;  // "full": every unit was checked above
+        // Each event says a step finished: it starts the next one's line.
+        progress.stage("load: plan");
+        if (progress.enabled())
+          lo.on_progress = [&progress](const LoadProgress& p) {
+            const std::string stage(p.stage);
+            if (stage == "plan") progress.stage("load: pre-flight");
+            else if (stage == "preflight") progress.stage("load: read, exchange, copy", p.bytes_total);
+            else if (stage == "wave") progress.update(p.bytes_done);
+          };
         LoadReport r = load(*ckpt, target, ptrs, *comm, lo);
+        progress.stage("write");
         save_native(a->out, step, target, cptrs, state, *comm, /*replace_step=*/a->overwrite);
+        progress.end();
         if (rank == 0 && a->json) {
           nlohmann::ordered_json j;
           j["output"] = io::join(a->out, step);
@@ -334,7 +351,7 @@ Command convert_command() {
           j["report"] = nlohmann::ordered_json::parse(r.to_json());
           std::printf("%s\n", j.dump(1).c_str());
           if (a->verify != "full") warn_unchecked(a->verify, r.bytes_unchecked, r.bytes_read - r.bytes_reread_on_node);
-        } else if (rank == 0) {
+        } else if (rank == 0 && !quiet()) {
           std::fputs(r.to_text().c_str(), stdout);
           // Re-reads by a second rank of a machine are checked once (by the first), not again.
           if (a->verify != "full") warn_unchecked(a->verify, r.bytes_unchecked, r.bytes_read - r.bytes_reread_on_node);
@@ -346,9 +363,12 @@ Command convert_command() {
       } else {
         // verify free: a read that is exactly one checksummed piece is checked as it is read (full
         // checked every piece above).
+        progress.stage("read and copy", plan.bytes_to_read);
+        uint64_t copied = 0;
         simulate_plan(plan, target,
                       [&](int32_t f, uint64_t off, uint64_t len, void* dst) {
                         ckpt->read(f, off, len, dst);
+                        progress.update(copied += len);
                         if (a->verify != "free" || !ckpt->has_checksum(f, off, len)) return;
                         std::string bad = ckpt->verify_range(f, off, len, dst);
                         if (!bad.empty())
@@ -364,7 +384,9 @@ Command convert_command() {
           if (a->verify != "free" || !box_is_dense(f.box, f.src_strides) ||
               !ckpt->has_checksum(f.file, f.byte_base, f.bytes()))
             unchecked += f.bytes();
+        progress.stage("write");
         save_native_all_ranks(a->out, step, target, cptrs, state, /*replace_step=*/a->overwrite);
+        progress.end();
         if (a->json) {
           nlohmann::ordered_json j;
           j["output"] = io::join(a->out, step);
@@ -382,6 +404,10 @@ Command convert_command() {
           j["notes"] = plan.notes;
           j["not_carried"] = state.per_rank_not_carried;
           std::printf("%s\n", j.dump(1).c_str());
+          if (a->verify != "full") warn_unchecked(a->verify, unchecked, plan.bytes_to_read);
+          return 0;
+        }
+        if (quiet()) {
           if (a->verify != "full") warn_unchecked(a->verify, unchecked, plan.bytes_to_read);
           return 0;
         }

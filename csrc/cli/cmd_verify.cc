@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/progress.h"
 #include "reshard/checkpoint.h"
 #include "reshard/consolidate.h"
 #include "reshard/error.h"
@@ -51,7 +52,9 @@ Command verify_command() {
     std::vector<std::string> problems, missing, uncovered;
     MasterCheck masters;
     bool masters_run = false;
+    Progress progress;
     try {
+      progress.stage("open");
       ckpt = open_checkpoint(a->path, oo);
     } catch (const Error& e) {
       // A recognisable checkpoint whose files are damaged (truncated data file, header that
@@ -61,7 +64,9 @@ Command verify_command() {
     }
     if (ckpt) {
       const SourceLayout& src = ckpt->source();
+      progress.stage("checksums");
       problems = verify_all(*ckpt);
+      progress.stage("coverage");
       for (const auto& n : ckpt->notes())
         if (n.rfind("missing data file ", 0) == 0 || n.rfind("missing file: ", 0) == 0) missing.push_back(n);
       // Coverage at pp=1, dp=1, zero=0 and the checkpoint's own tp: every element of every
@@ -76,6 +81,7 @@ Command verify_command() {
       // Weights against masters only where every value can be read (else the reads fail on what
       // is already reported).
       if (problems.empty() && missing.empty() && uncovered.empty()) {
+        progress.stage("weights vs master");
         // With the replica check first; when copies differ (a finding of its own), once more
         // without it, so that the comparison with the masters still runs and names the files.
         for (bool replicas : {true, false}) {
@@ -92,9 +98,11 @@ Command verify_command() {
         }
       }
     }
+    progress.end();
     std::vector<std::string> disagree;
     for (const auto& m : masters.mismatches) disagree.push_back(m.to_string());
     const bool ok = problems.empty() && uncovered.empty() && missing.empty() && disagree.empty();
+    if (ok && quiet() && !a->json) return 0;
     if (a->json) {
       nlohmann::json j;
       j["path"] = ckpt ? ckpt->path() : a->path;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/progress.h"
 #include "reshard/error.h"
 #include "reshard_version.h"
 
@@ -44,6 +45,10 @@ int main(int argc, char** argv) {
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
   app.set_version_flag("--version", std::string("reshard ") + RESHARD_VERSION + " (commit " + RESHARD_GIT_COMMIT + ")",
                        "Print the version and the commit it was built from");
+  // Global, also after the subcommand's own options (fallthrough): `reshard convert A B --quiet`.
+  bool quiet = false;
+  app.add_flag("-q,--quiet", quiet, "No progress lines; convert and verify print nothing on success (errors and warnings still go to stderr)");
+  app.fallthrough();
   std::vector<reshard::cli::Command> commands = reshard::cli::all_commands();
   std::vector<std::pair<CLI::App*, reshard::cli::Command*>> subs;
   for (auto& c : commands) subs.push_back({c.add(app), &c});
@@ -88,6 +93,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "reshard: error: unknown command '%s' (reshard help lists them)\n", topic.c_str());
     return 2;
   }
+  reshard::cli::set_quiet(quiet);
   try {
     for (auto& [sub, cmd] : subs)
       if (sub->parsed()) return cmd->run();

@@ -320,3 +320,56 @@ def test_odd_latest_files_and_file_size_limit_get_clear_errors(tmp_path):
     r = subprocess.run([str(CLI), "synth", tmp_path / "big", "--model", "tiny-gpt", "--layout", "tp=1,dp=1,zero=0"],
                        capture_output=True, text=True, timeout=120, preexec_fn=small_files)
     assert r.returncode == 2 and "File too large" in r.stderr and "rank_00000.safetensors" in r.stderr, r.stderr
+
+
+def _on_a_terminal(*args, timeout=300):
+    """Runs the CLI with stdout and stderr on a pseudo-terminal; returns (exit code, what it printed)."""
+    import pty
+    import select
+    main, sub = pty.openpty()
+    p = subprocess.Popen([str(CLI), *map(str, args)], stdout=sub, stderr=sub, stdin=subprocess.DEVNULL, close_fds=True)
+    os.close(sub)
+    out = b""
+    while True:
+        ready, _, _ = select.select([main], [], [], timeout)
+        if not ready:
+            p.kill()
+            raise AssertionError(f"no output for {timeout} s: {out[-2000:]!r}")
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main)
+    return p.wait(timeout=timeout), out.decode(errors="replace")
+
+
+def test_progress_on_a_terminal_only_and_nothing_under_quiet(tmp_path):
+    """convert and verify draw one line per stage (and a bar for the bytes copied) on a terminal,
+    nothing of it when the output is a pipe, and under --quiet (before or after the subcommand)
+    print nothing at all on success."""
+    src = tmp_path / "src"
+    assert run("synth", src, "--model", "tiny-gpt", "--layout", "tp=2,pp=2,dp=1,zero=1").returncode == 0
+    code, out = _on_a_terminal("convert", src, tmp_path / "a", "--target", "tp=1,pp=1,dp=2,zero=1")
+    assert code == 0, out
+    import re
+    stages = re.findall(r"\r  ([a-z]+)[^\r\n]*? \d+\.\d\d s\x1b\[K", out)  # each stage's finished line
+    assert stages == ["open", "plan", "checksums", "weights", "read", "write"], out
+    assert "read and copy [########################] 100%" in out, out
+    assert "wrote " in out, out
+    code, out = _on_a_terminal("verify", tmp_path / "a")
+    assert code == 0 and "\r  checksums" in out and "OK: every checksum matches" in out, out
+    # A pipe: the summary, no progress.
+    r = run("convert", src, tmp_path / "b", "--target", "tp=1,pp=1,dp=2,zero=1")
+    assert r.returncode == 0 and "\r" not in r.stderr + r.stdout and "wrote " in r.stdout, r.stderr
+    for args in (["--quiet", "convert", src, tmp_path / "c", "--target", "tp=1,pp=1,dp=2,zero=1"],
+                 ["convert", src, tmp_path / "d", "--target", "tp=1,pp=1,dp=2,zero=1", "-q"],
+                 ["verify", tmp_path / "a", "--quiet"]):
+        code, out = _on_a_terminal(*args)
+        assert code == 0 and out == "", (args, out)
+    assert (tmp_path / "c" / "latest").is_file() and (tmp_path / "d" / "latest").is_file()
+    # --quiet does not hide a failure.
+    code, out = _on_a_terminal("--quiet", "verify", tmp_path / "missing")
+    assert code == 2 and "does not exist" in out, out
