@@ -562,11 +562,43 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "load",
       [](const PyCheckpoint& c, const Layout& target, const std::vector<std::optional<at::Tensor>>& tensors,
-         std::shared_ptr<Communicator> comm, const py::dict& options, int io_threads, const std::string& verify) {
+         std::shared_ptr<Communicator> comm, const py::dict& options, int io_threads, const std::string& verify,
+         const py::object& progress) {
         LoadOptions lo;
         lo.plan = plan_options_from_py(options);
         lo.io_threads = io_threads;
         lo.verify = verify;
+        if (!progress.is_none()) {
+          // Called on this thread with the GIL released around the load: take it back for the call.
+          // A callback that raises must not fail one rank alone (its peers would wait for it in
+          // the next collective): the exception is logged on logger "reshard" and the load goes on.
+          auto warned = std::make_shared<bool>(false);
+          lo.on_progress = [progress, warned](const LoadProgress& p) {
+            py::gil_scoped_acquire gil;
+            try {
+              py::dict d;
+              d["stage"] = p.stage;
+              d["index"] = p.index;
+              d["count"] = p.count;
+              d["bytes_done"] = p.bytes_done;
+              d["bytes_total"] = p.bytes_total;
+              d["seconds"] = p.seconds;
+              progress(d);
+            } catch (py::error_already_set& e) {
+              const std::string what = e.what();
+              e.restore();
+              PyErr_Clear();
+              if (*warned) return;  // once per load
+              *warned = true;
+              try {
+                py::module_::import("logging").attr("getLogger")("reshard").attr("warning")(
+                    "reshard.load: the progress callback raised (ignored for the rest of this load): %s", what);
+              } catch (py::error_already_set&) {
+                PyErr_Clear();
+              }
+            }
+          };
+        }
         std::vector<void*> ptrs = buffer_pointers(target, comm->rank(), tensors, "reshard.load");
         LoadReport r;
         {
@@ -580,7 +612,7 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       py::arg("checkpoint"), py::arg("target"), py::arg("tensors"), py::arg("comm"), py::arg("options"),
-      py::arg("io_threads") = 4, py::arg("verify") = "free");
+      py::arg("io_threads") = 4, py::arg("verify") = "free", py::arg("progress") = py::none());
 
   m.def(
       "check_buffers",

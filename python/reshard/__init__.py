@@ -25,9 +25,10 @@ Errors: every failure is a :class:`Error` subclass named after the C++ ErrorCode
 from __future__ import annotations
 
 import json as _json
+import logging as _logging
 import operator
 import os as _os
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch  # loads libtorch before the extension
 
@@ -44,6 +45,11 @@ try:
     __version__ = _dist_version("reshard")
 except _NoDist:  # a source tree on PYTHONPATH
     __version__ = "0+source"
+
+# The package's logger: load progress at DEBUG, a finished load at INFO, its warnings at WARNING.
+# No handler is added here (the application configures logging).
+_log = _logging.getLogger("reshard")
+_log.addHandler(_logging.NullHandler())
 
 __all__ = [
     "Error", "InvalidArgument", "NotFound", "DataLoss", "Unsupported", "FailedPrecondition", "Internal",
@@ -382,7 +388,7 @@ def _check_io_threads(io_threads) -> int:
 
 def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, *, comm: Optional["Communicator"] = None,
          step=None, model: Optional[str] = None, policies: Optional[Mapping] = None, io_threads: int = 4,
-         verify: str = "free") -> dict:
+         verify: str = "free", progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Loads a checkpoint into this rank's live tensors, resharding as needed. Collective over
     ``comm`` (default: torch.distributed WORLD when initialized with more than one rank, else one
     process): every rank calls it with the same path, target layout and policies.
@@ -415,6 +421,15 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     (DeepSpeed's optimizers keep them equal in every save; a difference means swapped tp layer
     files, files from different saves or edited weights), holding at most min(64 MiB,
     memory_budget) of weights and masters at a time ("peak_verify_bytes"). "off": none.
+
+    ``progress``: called on this rank's thread as each step finishes, with ``{"stage", "index",
+    "count", "bytes_done", "bytes_total", "seconds"}``: stage "plan" (planned and agreed), then
+    "preflight" (checks done, nothing written yet), then "wave" with index 1..count once that
+    wave's fragments are in this rank's tensors; bytes are this rank's source bytes of the
+    fragments delivered to it, seconds since the load began. An exception it raises is logged
+    (logger "reshard", WARNING) and ignored, since a rank that stopped alone would leave its peers
+    waiting. The same events are logged at DEBUG on logger "reshard", and a finished load's
+    one-line summary at INFO (its warnings at WARNING); the package adds no handler.
 
     Returns the report: ``{"change", "source_layout", "target_layout", "writer", "path",
     "bytes_read", "bytes_reread_on_node" (part of bytes_read that a second rank of a machine read
@@ -491,13 +506,18 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
         threads = _check_io_threads(io_threads)
         if verify not in ("free", "full", "off"):
             raise InvalidArgument(f"load option verify={verify!r} must be off, free or full")
+        if progress is not None and not callable(progress):
+            raise InvalidArgument(f"reshard.load: progress must be callable or None, not {type(progress).__name__}")
     except Exception as e:  # noqa: BLE001 - agreed across ranks, then raised
         err = e
     _agree(comm, err, "reshard.load")
+    events = _progress_sink(progress, comm.rank)
     if device.type != "cpu" or _STAGE_CPU_TENSORS_FOR_TESTS:
-        return _without_pickled_rank_state(_load_staged(ckpt, layout, tlist, comm, device, pol, threads, verify))
+        return _logged(_without_pickled_rank_state(_load_staged(ckpt, layout, tlist, comm, device, pol, threads, verify,
+                                                                events)), comm.rank)
     try:
-        return _without_pickled_rank_state(_C.load(ckpt, layout, tlist, comm, pol, threads, verify))
+        return _logged(_without_pickled_rank_state(_C.load(ckpt, layout, tlist, comm, pol, threads, verify, events)),
+                       comm.rank)
     finally:
         # C++ writes through the tensors' memory: bump their version counters as an in-place op
         # would, so autograd refuses a backward through a graph that saved their old values (the
@@ -505,6 +525,33 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
         for i, t in enumerate(tlist):
             if t is not None and bufs[i]["rank"] == comm.rank and not t.is_inference():
                 torch.autograd.graph.increment_version(t)
+
+
+def _progress_sink(progress, rank: int):
+    """The callable reshard._C.load calls per finished step: the user's ``progress`` and the DEBUG
+    log line; None when neither wants the events (no callback into Python at all)."""
+    debug = _log.isEnabledFor(_logging.DEBUG)
+    if progress is None and not debug:
+        return None
+
+    def sink(event: dict) -> None:
+        if debug:
+            _log.debug("[rank %d] load %s %d/%d: %.3f/%.3f GB at %.3f s", rank, event["stage"], event["index"],
+                       event["count"], event["bytes_done"] / 1e9, event["bytes_total"] / 1e9, event["seconds"])
+        if progress is not None:
+            progress(event)
+    return sink
+
+
+def _logged(report: dict, rank: int) -> dict:
+    """Logs a finished load on logger "reshard" (INFO: the change, bytes and time; WARNING: each
+    of the report's warnings) and returns the report."""
+    _log.info("[rank %d] loaded %s (%s): %.3f GB read, %.3f GB written, %.3f s", rank, report.get("path", ""),
+              report.get("change", ""), report.get("bytes_read", 0) / 1e9, report.get("target_bytes", 0) / 1e9,
+              report.get("seconds", 0.0))
+    for w in report.get("warnings", ()):
+        _log.warning("[rank %d] %s", rank, w)
+    return report
 
 
 def _same_topology(a: str, b: str) -> bool:
@@ -545,7 +592,7 @@ def _without_pickled_rank_state(report: dict) -> dict:
 _STAGE_CPU_TENSORS_FOR_TESTS = False
 
 
-def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify) -> dict:
+def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify, progress=None) -> dict:
     """Loads into host tensors (pinned when the targets are CUDA tensors), then copies each to its
     device tensor. The exchange runs over ``comm``: on a trainer's NCCL process group the
     torch.distributed communicator moves the bytes through the GPU with NCCL. Device tensors are
@@ -562,7 +609,7 @@ def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify
             continue
         host[i] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
         staged += t.numel() * t.element_size()
-    report = _C.load(ckpt, layout, host, comm, policies, io_threads, verify)
+    report = _C.load(ckpt, layout, host, comm, policies, io_threads, verify, progress)
     t0 = time.perf_counter()
     try:
         with torch.no_grad():

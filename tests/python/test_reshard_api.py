@@ -80,6 +80,52 @@ def test_inspect_plan_load_roundtrip(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_load_progress_callback_and_logging(tmp_path, caplog, monkeypatch):
+    """progress= gets "plan", "preflight" and one "wave" per wave with this rank's bytes; the same
+    events go to logger "reshard" at DEBUG and the finished load at INFO; a callback that raises is
+    logged once and the load completes with the same values; a non-callable is InvalidArgument
+    before anything is read. The staged (CUDA-style) path reports the same events."""
+    import logging
+    m = reshard.model_config(dict(TINY, hidden=128, ffn=512, vocab=1024))
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=1,dp=1,zero=1", 7)
+    L1 = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
+    pol = {"memory_budget_bytes": 1 << 20}  # several waves
+    events = []
+    with caplog.at_level(logging.DEBUG, logger="reshard"):
+        a = zeros_for(L1, fill=float("nan"))
+        rep = reshard.load(str(tmp_path), L1, a, policies=pol, progress=events.append)
+    assert rep["waves"] >= 2
+    assert [e["stage"] for e in events] == ["plan", "preflight"] + ["wave"] * rep["waves"]
+    assert [e["index"] for e in events[2:]] == list(range(1, rep["waves"] + 1))
+    assert all(e["count"] == rep["waves"] for e in events[2:])
+    done = [e["bytes_done"] for e in events]
+    assert done == sorted(done) and done[1] == 0 and done[-1] == events[0]["bytes_total"] > 0
+    # One process receives every delivery: its total is the source bytes the plan reads.
+    assert events[0]["bytes_total"] == rep["bytes_read"]
+    msgs = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "reshard"]
+    assert sum(1 for lv, msg in msgs if lv == logging.DEBUG and " load wave " in msg) == rep["waves"], msgs
+    assert any(lv == logging.INFO and msg.startswith("[rank 0] loaded ") and "tp 2->1" in msg for lv, msg in msgs), msgs
+    caplog.clear()
+
+    def boom(event):
+        raise RuntimeError("callback failed on purpose")
+    with caplog.at_level(logging.WARNING, logger="reshard"):
+        b = zeros_for(L1, fill=float("nan"))
+        reshard.load(str(tmp_path), L1, b, policies=pol, progress=boom)
+    warned = [r.getMessage() for r in caplog.records if r.name == "reshard" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "callback failed on purpose" in warned[0], warned
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    c = zeros_for(L1, fill=0.0)
+    with pytest.raises(reshard.InvalidArgument, match="progress must be callable"):
+        reshard.load(str(tmp_path), L1, c, progress=3)
+    assert all(bool((t == 0).all()) for t in c.values())
+    monkeypatch.setattr(reshard, "_STAGE_CPU_TENSORS_FOR_TESTS", True)
+    staged = []
+    reshard.load(str(tmp_path), L1, zeros_for(L1), policies=pol, progress=staged.append)
+    assert [e["stage"] for e in staged] == [e["stage"] for e in events]
+
+
 def test_staged_load_equals_in_place_load_and_writes_nothing_on_error(tmp_path, monkeypatch):
     """The path CUDA tensors take (load into host staging, then copy to the device tensors), run
     with CPU tensors: the same bits as the in-place load; the report says it staged; an error
