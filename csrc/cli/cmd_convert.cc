@@ -26,6 +26,7 @@
 #include "reshard/checkpoint.h"
 #include "reshard/comm.h"
 #include "reshard/comm_mpi.h"
+#include "reshard/config.h"
 #include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/native.h"
@@ -36,6 +37,7 @@ namespace reshard::cli {
 
 namespace {
 struct ConvertArgs {
+  std::string config;
   std::string in, out, target, budget, step, source_step, model, verify = "full", qkv_order;
   std::string vocab_padding = "warn";
   int vocab_divisible_by = 0;      // --target-vocab-divisible-by; 0: the source's
@@ -179,9 +181,14 @@ Command convert_command() {
   Command c;
   c.add = [a](CLI::App& app) {
     CLI::App* s = app.add_subcommand("convert", "Convert a checkpoint to another layout (native output)");
-    s->add_option("IN", a->in, "Source checkpoint (root or step folder; native or DeepSpeed)")->required();
-    s->add_option("OUT", a->out, "Output checkpoint root (a new step folder and `latest` are written)")->required();
-    s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=2,dp=2,zero=1")->required();
+    // With --config the source comes from the config, and the one path given is OUT.
+    s->add_option("IN", a->in, "Source checkpoint (root or step folder; native or DeepSpeed); with --config: OUT")
+        ->required();
+    s->add_option("OUT", a->out, "Output checkpoint root (a new step folder and `latest` are written)");
+    s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=2,dp=2,zero=1 (required unless --config)");
+    s->add_option("--config", a->config,
+                  "A resume config (configs/resume/*.yaml): the source checkpoint and step, model, target layout, "
+                  "verify and policies (replicas, strictness, memory budget, dedup, vocab padding) come from it");
     s->add_option("--target-stages", a->target_stages,
                   "Layers on each target pipeline stage, e.g. 2,1,1 for 4 layers over pp=3 (uneven splits "
                   "as DeepSpeed's PipelineModule makes them; default: equal)")
@@ -217,12 +224,35 @@ Command convert_command() {
   };
   c.run = [a]() -> int {
     const auto t0 = std::chrono::steady_clock::now();
+    PlanOptions po;
+    if (!a->config.empty()) {
+      if (!a->out.empty())
+        fail(ErrorCode::kInvalidArgument, "convert --config ", a->config, " names the source checkpoint; give only OUT");
+      a->out = a->in;  // the one path given
+      // Flags the config also sets are refused rather than silently overriding one or the other.
+      for (const auto& [given, flag] :
+           {std::pair{!a->target.empty(), "--target"}, {!a->source_step.empty(), "--step"}, {!a->model.empty(), "--model"},
+            {!a->budget.empty(), "--memory-budget"}, {a->no_dedup, "--no-dedup"},
+            {a->vocab_padding != "warn", "--vocab-padding"}, {a->verify != "full", "--verify"}})
+        if (given)
+          fail(ErrorCode::kInvalidArgument, "convert --config ", a->config, " sets the source, target and policies; ",
+               flag, " cannot be given with it (edit the config, or convert without --config)");
+      ResumeConfig rc = load_resume_config(a->config);
+      a->in = rc.checkpoint;
+      a->source_step = rc.step;
+      a->model = rc.model;
+      a->target = rc.target.to_string();
+      a->verify = rc.verify;
+      po = rc.plan;
+    } else {
+      if (a->out.empty()) fail(ErrorCode::kInvalidArgument, "convert needs IN and OUT (or --config FILE and OUT)");
+      if (a->target.empty()) fail(ErrorCode::kInvalidArgument, "convert needs --target LAYOUT (or --config FILE)");
+      po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
+      po.dedup = !a->no_dedup;
+      po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
+    }
     Topology target_topo = Topology::parse(a->target);
     target_topo.validate();
-    PlanOptions po;
-    po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
-    po.dedup = !a->no_dedup;
-    po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
 
     std::unique_ptr<Communicator> comm;
 #ifdef RESHARD_HAVE_MPI
@@ -374,7 +404,7 @@ Command convert_command() {
                         if (!bad.empty())
                           fail(ErrorCode::kDataLoss, bad, "; nothing was written to ", a->out);
                       },
-                      ptrs);
+                      ptrs, po.replica_policy, po.replica_atol);
         // What no check covered, fragment by fragment: simulate_plan reads a dense fragment in one
         // read, which is checked when it is one whole piece; every other fragment is not. (Summing
         // the checked reads counted replica comparisons' reads too, and hid a corrupted byte the

@@ -1,8 +1,12 @@
 // reshard plan: the dry run. Either for a model and two layouts (no checkpoint needed; the source
 // files are assumed present), or for an existing checkpoint and a target layout.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "reshard/checkpoint.h"
@@ -14,11 +18,58 @@ namespace reshard::cli {
 
 namespace {
 struct PlanArgs {
-  std::string path, step, model, source, target, budget;
+  std::string path, step, model, source, target, budget, config;
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   std::string vocab_padding = "warn";
-  bool json = false, no_dedup = false;
+  bool json = false, no_dedup = false, no_read_rate = false;
 };
+
+// Sequential read rate of the checkpoint's data files as they are now (page cache included):
+// up to `budget` bytes in 8 MiB reads, spread over the files in turn. Returns bytes/s, or 0
+// when nothing could be read.
+double measure_read_rate(const CheckpointReader& ckpt, uint64_t budget, uint64_t* measured) {
+  const size_t n = ckpt.source().files.size();
+  const uint64_t chunk = uint64_t(8) << 20;
+  std::vector<char> buf(chunk);
+  std::vector<uint64_t> at(n, 0), size(n, 0);
+  for (size_t f = 0; f < n; ++f) size[f] = ckpt.file_size(int32_t(f));
+  uint64_t done = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (bool progress = true; progress && done < budget;) {
+    progress = false;
+    for (size_t f = 0; f < n && done < budget; ++f) {
+      if (at[f] >= size[f]) continue;
+      const uint64_t len = std::min({chunk, size[f] - at[f], budget - done});
+      ckpt.read(int32_t(f), at[f], len, buf.data());
+      at[f] += len;
+      done += len;
+      progress = true;
+    }
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  *measured = done;
+  return done > 0 && secs > 0 ? double(done) / secs : 0.0;
+}
+
+// What the plan asks of each target rank: the live state it holds (its buffers) and the source
+// bytes it reads.
+struct PerRank {
+  uint64_t live_max = 0, live_total = 0, read_max = 0;
+  int live_max_rank = 0, read_max_rank = 0;
+};
+PerRank per_rank(const Plan& plan, const Layout& target) {
+  PerRank out;
+  std::vector<uint64_t> live(size_t(target.topo.world_size()), 0), read(live.size(), 0);
+  for (const Buffer& b : target.buffers) live[size_t(b.rank)] += uint64_t(b.numel) * dtype_size(b.dtype);
+  for (const Fragment& f : plan.fragments)
+    if (f.reader >= 0 && size_t(f.reader) < read.size()) read[size_t(f.reader)] += f.bytes();
+  for (size_t r = 0; r < live.size(); ++r) {
+    out.live_total += live[r];
+    if (live[r] > out.live_max) out.live_max = live[r], out.live_max_rank = int(r);
+    if (read[r] > out.read_max) out.read_max = read[r], out.read_max_rank = int(r);
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -31,7 +82,10 @@ Command plan_command() {
     s->add_option("--step", a->step, "Step to open (default: the one `latest` names; with PATH)");
     s->add_option("--model", a->model, "Model YAML (path or name under configs/models)");
     s->add_option("--source", a->source, "Source layout, e.g. tp=8,pp=16,dp=8,zero=1 (with --model)");
-    s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=8,dp=32,zero=1")->required();
+    s->add_option("--target", a->target, "Target layout, e.g. tp=4,pp=8,dp=32,zero=1 (required unless --config)");
+    s->add_option("--config", a->config,
+                  "A resume config (configs/resume/*.yaml): its checkpoint, step, model, target and policies, "
+                  "planned as the trainer that reads it would load");
     s->add_option("--target-stages", a->target_stages,
                   "Layers on each target pipeline stage, e.g. 2,1,1 for 4 layers over pp=3 (uneven splits "
                   "as DeepSpeed's PipelineModule makes them; default: equal)")
@@ -42,14 +96,36 @@ Command plan_command() {
                   "A target whose padded vocab has other row counts: warn (drop or zero-fill padding rows, "
                   "default) or refuse")
         ->check(CLI::IsMember({"warn", "refuse"}));
+    s->add_flag("--no-read-rate", a->no_read_rate,
+                "Read only headers: no timed sample read of the data files (and no time estimate)");
     s->add_flag("--json", a->json, "Print a JSON summary");
     return s;
   };
   c.run = [a]() {
     PlanOptions po;
-    po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
-    po.dedup = !a->no_dedup;
-    po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
+    std::string verify;  // the config's, reported
+    if (!a->config.empty()) {
+      // The config is the whole request, as the trainer reads it; flags that would change it are refused.
+      for (const auto& [given, flag] : {std::pair{!a->path.empty(), "PATH"}, {!a->target.empty(), "--target"},
+                                        {!a->step.empty(), "--step"}, {!a->model.empty(), "--model"},
+                                        {!a->source.empty(), "--source"}, {!a->budget.empty(), "--memory-budget"},
+                                        {a->no_dedup, "--no-dedup"}, {a->vocab_padding != "warn", "--vocab-padding"}})
+        if (given)
+          fail(ErrorCode::kInvalidArgument, "plan --config ", a->config, " sets the checkpoint, target and policies; ",
+               flag, " cannot be given with it (edit the config, or plan without --config)");
+      ResumeConfig rc = load_resume_config(a->config);
+      a->path = rc.checkpoint;
+      a->step = rc.step;
+      a->model = rc.model;
+      a->target = rc.target.to_string();
+      po = rc.plan;
+      verify = rc.verify;
+    } else {
+      if (a->target.empty()) fail(ErrorCode::kInvalidArgument, "plan needs --target LAYOUT (or --config FILE)");
+      po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
+      po.dedup = !a->no_dedup;
+      po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
+    }
     Topology target = Topology::parse(a->target);
     // Uneven target stages: as given, or else the source's own split where pp stays.
     auto target_options = [&](const ModelConfig& m, const Layout* source) {
@@ -63,7 +139,10 @@ Command plan_command() {
       return o;
     };
     Plan plan;
+    Layout target_layout;
     double secs = 0;
+    double rate = 0;           // bytes/s of the sample read, 0: none
+    uint64_t rate_bytes = 0;   // bytes the sample read
     if (!a->path.empty()) {
       if (!a->source.empty())
         fail(ErrorCode::kInvalidArgument, "plan --source ", a->source,
@@ -75,6 +154,8 @@ Command plan_command() {
       Layout tl = derive_layout(ckpt->source().layout.model, target,
                                 target_options(ckpt->source().layout.model, &ckpt->source().layout));
       plan = plan_load(*ckpt, tl, po, &secs);
+      target_layout = std::move(tl);
+      if (!a->no_read_rate) rate = measure_read_rate(*ckpt, uint64_t(64) << 20, &rate_bytes);
     } else {
       if (a->model.empty() || a->source.empty())
         fail(ErrorCode::kInvalidArgument, "plan needs a checkpoint PATH, or --model and --source");
@@ -95,12 +176,30 @@ Command plan_command() {
       }
       Layout tl = derive_layout(m, target, target_options(m, nullptr));
       plan = make_plan(src, tl, po);
+      target_layout = std::move(tl);
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     std::fprintf(stderr, "change: %s\n", plan.change.c_str());
     for (const auto& w : plan.warnings) std::fprintf(stderr, "warning: %s\n", detail::one_line(w).c_str());
+    const PerRank pr = per_rank(plan, target_layout);
+    // The slowest reader at the measured rate: ranks of one machine share its storage, so this is
+    // a lower bound for them; other machines and cold storage read at their own rates.
+    const double estimate = rate > 0 ? double(pr.read_max) / rate : -1.0;
     if (a->json) {
-      std::cout << plan_summary_json(plan, secs) << std::endl;
+      nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan_summary_json(plan, secs));
+      j["live_bytes_per_rank_max"] = pr.live_max;
+      j["live_bytes_total"] = pr.live_total;
+      j["read_bytes_per_rank_max"] = pr.read_max;
+      if (rate > 0) {
+        j["read_rate_bytes_per_second"] = rate;
+        j["read_rate_sample_bytes"] = rate_bytes;
+        j["estimated_read_seconds"] = estimate;
+      }
+      if (!a->config.empty()) {
+        j["config"] = a->config;
+        j["verify"] = verify;
+      }
+      std::cout << j.dump() << std::endl;
     } else {
       std::printf("%s -> %s: %s\n", plan.source_topo.to_string().c_str(), plan.target_topo.to_string().c_str(),
                   plan.change.c_str());
@@ -110,6 +209,14 @@ Command plan_command() {
                   plan.target_bytes / 1e9);
       std::printf("  %d wave(s), %zu fragments, peak staging %.3f GiB per rank, planned in %.3f s\n", plan.num_waves,
                   plan.fragments.size(), plan.peak_staging_bytes_per_rank / double(1 << 30), secs);
+      std::printf("  live state per rank: up to %.3f GB (rank %d), %.3f GB over all ranks (a one-process convert "
+                  "holds all of it)\n",
+                  pr.live_max / 1e9, pr.live_max_rank, pr.live_total / 1e9);
+      if (rate > 0)
+        std::printf("  estimated read time %.2f s: rank %d reads %.3f GB at %.2f GB/s, the rate of a %.3f GB sample "
+                    "read of these files just now (page cache included; other machines and cold storage differ)\n",
+                    estimate, pr.read_max_rank, pr.read_max / 1e9, rate / 1e9, rate_bytes / 1e9);
+      if (!a->config.empty()) std::printf("  config %s: verify %s\n", a->config.c_str(), verify.c_str());
       for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
     }
     return 0;

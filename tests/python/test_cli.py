@@ -373,3 +373,51 @@ def test_progress_on_a_terminal_only_and_nothing_under_quiet(tmp_path):
     # --quiet does not hide a failure.
     code, out = _on_a_terminal("--quiet", "verify", tmp_path / "missing")
     assert code == 2 and "does not exist" in out, out
+
+
+def test_plan_and_convert_take_a_resume_config(tmp_path):
+    """plan --config plans what a trainer reading the config would load (its checkpoint, target,
+    verify and policies) and adds per-rank live memory and a read time estimate; convert --config
+    writes that target with the config's policies; flags the config also sets are refused."""
+    src = tmp_path / "src"
+    assert run("synth", src, "--model", "tiny-gpt", "--layout", "tp=2,pp=1,dp=1,zero=1").returncode == 0
+    cfg = tmp_path / "resume.yaml"
+    cfg.write_text(f"checkpoint:\n  root: {src}\ntarget: tp=1,pp=1,dp=4,zero=1\nverify: off\n"
+                   "policies:\n  replicas: first\n  memory_budget_bytes: 65536\n")
+    r = run("plan", "--config", cfg, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["target_layout"] == "tp=1,pp=1,vpp=1,dp=4,zero=1" and j["verify"] == "off" and j["config"] == str(cfg)
+    assert any("policy first" in n for n in j["notes"]), j["notes"]
+    assert j["num_waves"] > 1  # the config's 64 KiB budget
+    assert j["live_bytes_total"] == j["target_bytes"]
+    assert j["target_bytes"] / 4 <= j["live_bytes_per_rank_max"] < j["target_bytes"]
+    assert 0 < j["read_bytes_per_rank_max"] <= j["bytes_to_read"]
+    assert j["read_rate_sample_bytes"] > 0 and j["read_rate_bytes_per_second"] > 0
+    assert j["estimated_read_seconds"] == pytest.approx(j["read_bytes_per_rank_max"] / j["read_rate_bytes_per_second"])
+    r = run("plan", "--config", cfg, "--json", "--no-read-rate")
+    assert r.returncode == 0 and "estimated_read_seconds" not in json.loads(r.stdout)
+    r = run("plan", "--config", cfg)
+    assert r.returncode == 0 and "live state per rank: up to " in r.stdout and "estimated read time " in r.stdout
+    for extra, flag in ((["--target", "tp=2"], "--target"), ([src], "PATH"), (["--memory-budget", "1GiB"], "--memory-budget")):
+        r = run("plan", "--config", cfg, *extra)
+        assert r.returncode == 2 and f"{flag} cannot be given with it" in r.stderr, r.stderr
+    r = run("plan", src)
+    assert r.returncode == 2 and "plan needs --target LAYOUT (or --config FILE)" in r.stderr, r.stderr
+    # convert --config OUT: the config's target and policies (verify off: no checksum pass).
+    out = tmp_path / "out"
+    r = run("convert", "--config", cfg, out, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["target_layout"] == "tp=1,pp=1,vpp=1,dp=4,zero=1" and j["verify"] == "off" and j["waves"] > 1
+    assert any("policy first" in n for n in j["notes"]), j["notes"]
+    r = run("diff", src, out)
+    assert r.returncode == 0 and " 0 differ" in r.stdout, r.stdout
+    for extra, flag in ((["--verify", "free"], "--verify"), (["--target", "tp=2"], "--target")):
+        r = run("convert", "--config", cfg, tmp_path / "o2", *extra)
+        assert r.returncode == 2 and f"{flag} cannot be given with it" in r.stderr, r.stderr
+    r = run("convert", "--config", cfg, src, tmp_path / "o3")
+    assert r.returncode == 2 and "give only OUT" in r.stderr, r.stderr
+    r = run("convert", src, "--target", "tp=1")
+    assert r.returncode == 2 and "convert needs IN and OUT" in r.stderr, r.stderr
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
