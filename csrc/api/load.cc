@@ -30,8 +30,26 @@ Plan plan_load(const CheckpointReader& ckpt, const Layout& target, const PlanOpt
   return p;
 }
 
-std::string plan_summary_json(const Plan& p, double plan_seconds) {
+std::string plan_summary_json(const Plan& p, double plan_seconds, const Layout* target) {
   nlohmann::json j;
+  if (target) {
+    std::vector<uint64_t> live(size_t(target->topo.world_size()), 0), read(live.size(), 0);
+    for (const Buffer& b : target->buffers) live[size_t(b.rank)] += uint64_t(b.numel) * dtype_size(b.dtype);
+    for (const Fragment& f : p.fragments)
+      if (f.reader >= 0 && size_t(f.reader) < read.size()) read[size_t(f.reader)] += f.bytes();
+    uint64_t total = 0;
+    size_t live_max = 0, read_max = 0;
+    for (size_t r = 0; r < live.size(); ++r) {
+      total += live[r];
+      if (live[r] > live[live_max]) live_max = r;
+      if (read[r] > read[read_max]) read_max = r;
+    }
+    j["live_bytes_per_rank_max"] = live.empty() ? 0 : live[live_max];
+    j["live_bytes_max_rank"] = live_max;
+    j["live_bytes_total"] = total;
+    j["read_bytes_per_rank_max"] = read.empty() ? 0 : read[read_max];
+    j["read_bytes_max_rank"] = read_max;
+  }
   j["change"] = p.change;
   j["source_layout"] = p.source_topo.to_string();
   j["target_layout"] = p.target_topo.to_string();

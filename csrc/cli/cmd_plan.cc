@@ -51,26 +51,6 @@ double measure_read_rate(const CheckpointReader& ckpt, uint64_t budget, uint64_t
   return done > 0 && secs > 0 ? double(done) / secs : 0.0;
 }
 
-// What the plan asks of each target rank: the live state it holds (its buffers) and the source
-// bytes it reads.
-struct PerRank {
-  uint64_t live_max = 0, live_total = 0, read_max = 0;
-  int live_max_rank = 0, read_max_rank = 0;
-};
-PerRank per_rank(const Plan& plan, const Layout& target) {
-  PerRank out;
-  std::vector<uint64_t> live(size_t(target.topo.world_size()), 0), read(live.size(), 0);
-  for (const Buffer& b : target.buffers) live[size_t(b.rank)] += uint64_t(b.numel) * dtype_size(b.dtype);
-  for (const Fragment& f : plan.fragments)
-    if (f.reader >= 0 && size_t(f.reader) < read.size()) read[size_t(f.reader)] += f.bytes();
-  for (size_t r = 0; r < live.size(); ++r) {
-    out.live_total += live[r];
-    if (live[r] > out.live_max) out.live_max = live[r], out.live_max_rank = int(r);
-    if (read[r] > out.read_max) out.read_max = read[r], out.read_max_rank = int(r);
-  }
-  return out;
-}
-
 }  // namespace
 
 Command plan_command() {
@@ -181,15 +161,12 @@ Command plan_command() {
     }
     std::fprintf(stderr, "change: %s\n", plan.change.c_str());
     for (const auto& w : plan.warnings) std::fprintf(stderr, "warning: %s\n", detail::one_line(w).c_str());
-    const PerRank pr = per_rank(plan, target_layout);
-    // The slowest reader at the measured rate: ranks of one machine share its storage, so this is
+    nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan_summary_json(plan, secs, &target_layout));
+    const uint64_t read_max = j["read_bytes_per_rank_max"];
+    // The busiest reader at the measured rate: ranks of one machine share its storage, so this is
     // a lower bound for them; other machines and cold storage read at their own rates.
-    const double estimate = rate > 0 ? double(pr.read_max) / rate : -1.0;
+    const double estimate = rate > 0 ? double(read_max) / rate : -1.0;
     if (a->json) {
-      nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan_summary_json(plan, secs));
-      j["live_bytes_per_rank_max"] = pr.live_max;
-      j["live_bytes_total"] = pr.live_total;
-      j["read_bytes_per_rank_max"] = pr.read_max;
       if (rate > 0) {
         j["read_rate_bytes_per_second"] = rate;
         j["read_rate_sample_bytes"] = rate_bytes;
@@ -211,11 +188,12 @@ Command plan_command() {
                   plan.fragments.size(), plan.peak_staging_bytes_per_rank / double(1 << 30), secs);
       std::printf("  live state per rank: up to %.3f GB (rank %d), %.3f GB over all ranks (a one-process convert "
                   "holds all of it)\n",
-                  pr.live_max / 1e9, pr.live_max_rank, pr.live_total / 1e9);
+                  j["live_bytes_per_rank_max"].get<uint64_t>() / 1e9, j["live_bytes_max_rank"].get<int>(),
+                  j["live_bytes_total"].get<uint64_t>() / 1e9);
       if (rate > 0)
         std::printf("  estimated read time %.2f s: rank %d reads %.3f GB at %.2f GB/s, the rate of a %.3f GB sample "
                     "read of these files just now (page cache included; other machines and cold storage differ)\n",
-                    estimate, pr.read_max_rank, pr.read_max / 1e9, rate / 1e9, rate_bytes / 1e9);
+                    estimate, j["read_bytes_max_rank"].get<int>(), read_max / 1e9, rate / 1e9, rate_bytes / 1e9);
       if (!a->config.empty()) std::printf("  config %s: verify %s\n", a->config.c_str(), verify.c_str());
       for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
     }

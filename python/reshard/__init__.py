@@ -270,8 +270,12 @@ def plan(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], *, step=N
     Returns ``{"change", "source_layout", "target_layout", "source_world_size", "target_world_size",
     "bytes_to_read", "bytes_needed", "bytes_to_exchange", "target_bytes",
     "peak_staging_bytes_per_rank" (bytes), "read_amplification", "num_waves", "num_fragments",
-    "num_replica_compares", "plan_seconds", "notes", "warnings"}``; "warnings" lists what changes a
-    trained model's results (vocab padding rows dropped or added).
+    "num_replica_compares", "plan_seconds", "notes", "warnings", "live_bytes_per_rank_max",
+    "live_bytes_max_rank", "live_bytes_total", "read_bytes_per_rank_max", "read_bytes_max_rank"}``:
+    "live_bytes_*" are the target buffers' bytes of the largest rank and of all ranks (what one
+    process holding the whole target needs), "read_bytes_*" the source bytes of the busiest
+    reader; "warnings" lists what changes a trained model's results (vocab padding rows dropped
+    or added).
 
     ``policies``: replicas ("error" | "average" | "first"), replica_atol (float, absolute),
     strict_missing, strict_unexpected (bool), memory_budget_bytes (int, per rank per wave) or

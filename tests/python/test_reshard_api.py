@@ -60,6 +60,11 @@ def test_inspect_plan_load_roundtrip(tmp_path):
     p = reshard.plan(str(tmp_path), "tp=1,pp=1,dp=1,zero=1")
     assert p["target_world_size"] == 1 and p["bytes_to_read"] == p["bytes_needed"] > 0
     assert p["change"].startswith("tp 2->1")
+    # One target rank: it holds the whole target and reads every byte the plan reads.
+    assert p["live_bytes_total"] == p["live_bytes_per_rank_max"] == p["target_bytes"] and p["live_bytes_max_rank"] == 0
+    assert p["read_bytes_per_rank_max"] == p["bytes_to_read"]
+    p2 = reshard.plan(str(tmp_path), "tp=1,pp=1,dp=4,zero=1")
+    assert p2["live_bytes_total"] == p2["target_bytes"] and p2["target_bytes"] / 4 <= p2["live_bytes_per_rank_max"]
     # Load into tp=1 (one process), save again, load into tp=1 again: bitwise the same.
     L1 = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=1")
     a = zeros_for(L1, fill=float("nan"))
