@@ -529,10 +529,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "open_checkpoint",
-      [](const std::string& path, const std::string& step, const std::string& model_path) {
+      [](const std::string& path, const std::string& step, const std::string& model_path,
+         std::optional<ModelConfig> model) {
         OpenOptions o;
         o.step = step;
         o.model_path = model_path;
+        o.model = std::move(model);
         PyCheckpoint c;
         {
           py::gil_scoped_release nogil;
@@ -540,7 +542,7 @@ PYBIND11_MODULE(_C, m) {
         }
         return c;
       },
-      py::arg("path"), py::arg("step") = "", py::arg("model_path") = "");
+      py::arg("path"), py::arg("step") = "", py::arg("model_path") = "", py::arg("model") = py::none());
 
   m.def("plan_options", [](const py::dict& d) { return plan_options_to_py(plan_options_from_py(d)); });
 

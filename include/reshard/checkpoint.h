@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -117,7 +118,18 @@ struct OpenOptions {
   /// tp > groups variant). Empty: native checkpoints carry their own; DeepSpeed ones need it or
   /// an `args` Namespace the reader can interpret.
   std::string model_path;
+  /// The same description given as a value (a trainer that builds it from its live config needs
+  /// no file); messages name it "the given model description". Giving both is kInvalidArgument.
+  std::optional<ModelConfig> model;
 };
+
+/// Whether `opt` gives a model description (model or model_path).
+bool gives_model(const OpenOptions& opt);
+/// The description `opt` gives: `model`, else the YAML at model_path (load_model_config's errors).
+/// kInvalidArgument when both are set.
+ModelConfig given_model(const OpenOptions& opt);
+/// How messages name it: "the model file <path>" or "the given model description".
+std::string given_model_name(const OpenOptions& opt);
 
 /// Reads each unit whole (out of the reader's file mapping where it has one and the file is long
 /// enough, else with positioned reads) and checks it with verify_range, on up to `threads`

@@ -37,8 +37,6 @@ and on load it is filled from the first stage's (live) copy.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from typing import List, Optional, Tuple
 
@@ -77,13 +75,6 @@ def model_config_dict(cfg: M.GPTConfig) -> dict:
         "qkv_order": "interleaved",
         "tp_gt_groups": "refuse",
     }
-
-
-def write_model_yaml(cfg: M.GPTConfig, path: str) -> str:
-    import yaml
-    with open(path, "w") as f:
-        yaml.safe_dump(model_config_dict(cfg), f, sort_keys=False)
-    return path
 
 
 def canonical_name(live: str, cfg: M.GPTConfig) -> str:
@@ -151,8 +142,8 @@ def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Option
     resharding weights and optimizer state from the saved layout to this job's. Collective.
 
     ``policies``: reshard.plan's policies (replicas error|average|first, replica_atol,
-    strict_missing, strict_unexpected, memory_budget_bytes, dedup). ``model``: a model YAML for
-    formats that do not record the model (default: written from the live GPTConfig).
+    strict_missing, strict_unexpected, memory_budget_bytes, dedup). ``model``: a model YAML (or
+    dict) for formats that do not record the model (default: the live GPTConfig's description).
 
     Returns (iteration, consumed_samples, report); the report is reshard.load's plus
     "rank_peak_rss_bytes" (max over ranks of ru_maxrss, bytes), "hook_seconds", "rng", "bit16_check".
@@ -160,17 +151,7 @@ def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Option
     """
     t0 = time.time()
     cfg = engine.module.gpt_config
-    rank = dist.get_rank()
-    tmp = None
-    if model is None:
-        tmp = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"reshard-model-r{rank}-", delete=False)
-        tmp.close()
-        model = write_model_yaml(cfg, tmp.name)
-    try:
-        ckpt = reshard.open_checkpoint(checkpoint_root, step=step, model=model)
-    finally:
-        if tmp is not None:
-            os.unlink(tmp.name)
+    ckpt = reshard.open_checkpoint(checkpoint_root, step=step, model=model_config_dict(cfg) if model is None else model)
     live = LiveState(engine, cfg)
     report, glob = RM.fill_engine(live, ckpt, seed=int(getattr(args, "seed", 0)), policies=policies, verify=verify)
     iteration, consumed = int(ckpt.state["iteration"]), int(ckpt.state["consumed_samples"])

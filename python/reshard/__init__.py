@@ -198,19 +198,27 @@ def build_layout(model, topology: str, *, stages: Optional[Mapping[str, Sequence
                            align_factor)
 
 
-def open_checkpoint(path: str, *, step: Optional[Union[str, int]] = None, model: Optional[str] = None) -> "Checkpoint":
+def open_checkpoint(path: str, *, step: Optional[Union[str, int]] = None,
+                    model: Optional[Union[str, Mapping, "ModelConfig"]] = None) -> "Checkpoint":
     """Opens a checkpoint root or step folder (native or DeepSpeed), reading headers only.
 
     ``step``: None = the step ``latest`` names; else a folder name ("global_step20", "step-20") or
-    number. A missing step is an error, never a fallback. ``model``: a model YAML file for formats
-    that do not record the model (DeepSpeed; it must agree with the trainer's ``args`` recorded
-    there); native checkpoints record theirs, and a ``model`` given for one must describe the same
-    model (InvalidArgument naming each field that differs, e.g. "hidden 4 vs 8").
+    number. A missing step is an error, never a fallback. ``model``: the model description for
+    formats that do not record the model (DeepSpeed; it must agree with the trainer's ``args``
+    recorded there): a model YAML file's path, or a dict of its keys or a ModelConfig (as
+    :func:`model_config` takes them; a trainer building it from its live config needs no file).
+    Native checkpoints record theirs, and a ``model`` given for one must describe the same model
+    (InvalidArgument naming each field that differs, e.g. "hidden 4 vs 8").
 
     Raises NotFound (path, step), InvalidArgument (a file, an empty or unrecognised folder),
     DataLoss (corrupt metadata), Unsupported (a format or version this build cannot read).
     """
-    return _C.open_checkpoint(str(path), "" if step is None else str(step), model or "")
+    if model is None or isinstance(model, (str, _os.PathLike)):
+        return _C.open_checkpoint(str(path), "" if step is None else str(step), str(model or ""))
+    if not isinstance(model, (Mapping, ModelConfig)):
+        raise InvalidArgument(f"open_checkpoint: model must be a path, a dict of model keys or a ModelConfig, "
+                              f"not {type(model).__name__}")
+    return _C.open_checkpoint(str(path), "" if step is None else str(step), "", model_config(model))
 
 
 def inspect(path: str, *, step: Optional[Union[str, int]] = None, model: Optional[str] = None) -> dict:

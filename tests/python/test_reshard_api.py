@@ -775,3 +775,17 @@ def test_values_that_do_not_fit_the_target_dtype_fail_the_load(tmp_path):
     out = reshard.allocate(L16, 0, fill=0.0)
     reshard.load(str(tmp_path / "ck2"), L16, out)
     assert all(bool((t == 3).all()) for t in out.values())
+
+
+def test_open_checkpoint_takes_the_model_as_a_value(tmp_path):
+    """model= as a dict or ModelConfig (no file needed) is checked against what the checkpoint
+    records exactly as a model file is; anything else is InvalidArgument naming the types."""
+    m = reshard.model_config(TINY)
+    reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=1,dp=1,zero=1", 3)
+    for given in (TINY, m):
+        c = reshard.open_checkpoint(str(tmp_path), model=given)
+        assert "the given model description agrees with the model the checkpoint records" in c.notes
+    with pytest.raises(reshard.InvalidArgument, match="the given model description disagrees .*hidden 16 vs 32"):
+        reshard.open_checkpoint(str(tmp_path), model=dict(TINY, hidden=32))
+    with pytest.raises(reshard.InvalidArgument, match="model must be a path, a dict of model keys or a ModelConfig"):
+        reshard.open_checkpoint(str(tmp_path), model=7)

@@ -953,10 +953,10 @@ void Builder::model_config() {
   const PyValue* root = &first->ar.root();
   const PyValue* args = get(root, "args");
   const PyValue* uci = get(root, "universal_checkpoint_info");
-  if (!opt.model_path.empty()) {
-    cfg = load_model_config(opt.model_path);
-    cfg_origin = opt.model_path;
-    note("model description from " + opt.model_path + " (QKV row meaning, SwiGLU, query groups, vocab)");
+  if (gives_model(opt)) {
+    cfg = given_model(opt);
+    cfg_origin = opt.model ? "the given model description" : opt.model_path;
+    note("model description from " + cfg_origin + " (QKV row meaning, SwiGLU, query groups, vocab)");
     // The model file fills in what the files cannot prove; where the trainer's `args` record a
     // field too, the two must agree. A model file that says "no SwiGLU" for a SwiGLU model of the
     // same shapes cut dense_h_to_4h as [g0;u0;g1;u1] with every check passing.
@@ -976,7 +976,7 @@ void Builder::model_config() {
       if (auto v = opt_bool(get(args, "untie_embeddings_and_output_weights")))
         same("tied_embeddings", b(!*v), b(cfg.tied_embeddings));
       if (!differ.empty())
-        fail(ErrorCode::kInvalidArgument, first->path, ": the model file ", opt.model_path,
+        fail(ErrorCode::kInvalidArgument, first->path, ": ", given_model_name(opt),
              " disagrees with the trainer's own record (`args`) in the checkpoint: ", differ,
              ". These decide how fused tensors (QKV, SwiGLU) are cut; loading under the wrong one gives wrong values "
              "with every check passing. Fix the model file, or leave it out to use `args`");
@@ -1025,20 +1025,20 @@ void Builder::model_config() {
   // and the writer's code (qkv_order).
   auto cv = opt_num(get(root, "checkpoint_version"));
   qkv_order(first, cv, args);
-  if (opt.model_path.empty()) {
+  if (!gives_model(opt)) {
     cfg.qkv_version = cv ? *cv : 0.0;
     if (!cv) note("no checkpoint_version: QKV rows read as version 0 ([3, np, hn] per rank), as DeepSpeed does");
   } else if (cv && *cv != cfg.qkv_version) {
     // The files record the QKV row order they were written in; the model file cannot change it.
     fail(ErrorCode::kInvalidArgument, first->path, ": checkpoint_version ", *cv, " in the files, qkv_version ",
-         cfg.qkv_version, " in the model file ", opt.model_path, ": the QKV rows were saved in the files' order; "
+         cfg.qkv_version, " in ", given_model_name(opt), ": the QKV rows were saved in the files' order; "
          "loading them as another gives wrong values with every check passing. Fix qkv_version in the model file "
          "(or leave the file out)");
   }
   // Vocab: V from universal_checkpoint_info.original_vocab_size (or the model file), Vp from files.
   std::optional<int64_t> V = opt_int(get(uci, "original_vocab_size"));
   if (!V) V = opt_int(get(args, "vocab_size"));
-  if (!opt.model_path.empty() && cfg.vocab > 0) {
+  if (gives_model(opt) && cfg.vocab > 0) {
     if (V && *V != cfg.vocab) note("vocab " + std::to_string(*V) + " in the files, " + std::to_string(cfg.vocab) + " in the model file: the model file wins");
     V = cfg.vocab;
   }
@@ -1087,7 +1087,7 @@ void Builder::qkv_order(Opened* first, std::optional<double> cv, const PyValue* 
   const std::string version = cv ? std::to_string(*cv) : std::string("absent");
   if (blocked_writer) {
     if (!stated.empty() && stated != "blocked")
-      fail(ErrorCode::kInvalidArgument, first->path, ": the model file ", opt.model_path, " says qkv_order: ", stated,
+      fail(ErrorCode::kInvalidArgument, first->path, ": ", given_model_name(opt), " says qkv_order: ", stated,
            ", but the files' `args` has ds_sequence_parallel_fpdt, so they were written by Megatron-DeepSpeed at or "
            "after its FPDT change (676a482c, 2024-12), whose attention splits each tp rank's query_key_value rows "
            "into [Q | K | V] blocks; fix qkv_order in the model file (blocked) or leave it out");
@@ -1100,7 +1100,7 @@ void Builder::qkv_order(Opened* first, std::optional<double> cv, const PyValue* 
     note("QKV rows: [Q | K | V] blocks per tp rank (args has ds_sequence_parallel_fpdt: Megatron-DeepSpeed at or after "
          "676a482c, 2024-12), although checkpoint_version is " + version);
   } else if (!stated.empty()) {
-    note("QKV rows: " + stated + " (qkv_order in the model file " + opt.model_path + ")");
+    note("QKV rows: " + stated + " (qkv_order in " + given_model_name(opt) + ")");
   } else if (have_args) {
     const double v = cv ? *cv : 0.0;
     cfg.qkv_order = qkv_order_name(v >= 2.0 ? QkvOrder::kInterleaved : v >= 1.0 ? QkvOrder::kPerHeadV1 : QkvOrder::kBlocked);

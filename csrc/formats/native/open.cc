@@ -94,16 +94,16 @@ std::string resolve_step(const std::string& root, const std::string& asked, cons
 std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOptions& opt,
                                             std::vector<std::string> notes) {
   if (is_native_step(dir)) {
-    if (opt.model_path.empty()) return open_native(dir, std::move(notes));
+    if (!gives_model(opt)) return open_native(dir, std::move(notes));
     // A native step records its model; a model file given too must describe the same model,
     // or the caller believes in shapes and cuts the load does not use (DeepSpeed sources refuse
     // the same contradiction against the trainer's `args`).
-    const ModelConfig given = load_model_config(opt.model_path);
-    notes.push_back("the model file " + opt.model_path + " agrees with the model the checkpoint records");
+    const ModelConfig given = given_model(opt);
+    notes.push_back(given_model_name(opt) + " agrees with the model the checkpoint records");
     auto reader = open_native(dir, std::move(notes));
     const std::string differ = model_differences(reader->source().layout.model, given);
     if (!differ.empty())
-      fail(ErrorCode::kInvalidArgument, io::join(dir, native::kMetadataFile), ": the model file ", opt.model_path,
+      fail(ErrorCode::kInvalidArgument, io::join(dir, native::kMetadataFile), ": ", given_model_name(opt),
            " disagrees with the model this checkpoint records (recorded vs model file): ", differ,
            ". A native checkpoint's own record decides its shapes and cuts; leave the model file out, or give the one "
            "it was saved with");
@@ -118,6 +118,19 @@ std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOp
 }
 
 }  // namespace
+
+bool gives_model(const OpenOptions& opt) { return opt.model.has_value() || !opt.model_path.empty(); }
+
+ModelConfig given_model(const OpenOptions& opt) {
+  if (opt.model && !opt.model_path.empty())
+    fail(ErrorCode::kInvalidArgument, "open: give a model description or a model file (", opt.model_path, "), not both");
+  return opt.model ? *opt.model : load_model_config(opt.model_path);
+}
+
+std::string given_model_name(const OpenOptions& opt) {
+  return opt.model ? std::string("the given model description") : "the model file " + opt.model_path;
+}
+
 
 bool is_native_step(const std::string& dir) { return io::is_file(io::join(dir, native::kMetadataFile)); }
 
