@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "io/file.h"
+#include "io/parallel.h"
 #include "reshard/checkpoint.h"
 #include "reshard/error.h"
 
@@ -31,38 +32,32 @@ std::vector<std::string> check_checksum_units(const CheckpointReader& reader, co
       missing[u.file] = e.what();
     }
   }
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    std::vector<uint8_t> buf;
-    for (size_t k; (k = next.fetch_add(1)) < units.size();) {
-      const ChecksumUnit& u = units[k];
-      auto gone = missing.find(u.file);
-      if (gone != missing.end()) {
-        report(gone->second);
-        continue;
-      }
-      try {
-        const uint8_t* map = reader.mapped(u.file);
-        std::string why;
-        if (map && size.at(u.file) >= u.offset + u.length) {
-          why = reader.verify_range(u.file, u.offset, u.length, map + u.offset);
-          if (drop_pages) io::drop_mapped_pages(map + u.offset, u.length);
-        } else {
-          buf.resize(size_t(u.length));
-          reader.read(u.file, u.offset, u.length, buf.data());
-          why = reader.verify_range(u.file, u.offset, u.length, buf.data());
-        }
-        if (!why.empty()) report(why);
-      } catch (const Error& e) {
-        report(e.what());
-      }
+  const int n = threads > 0 ? threads : default_threads();
+  std::vector<std::vector<uint8_t>> bufs(static_cast<size_t>(n));  // per thread
+  parallel_for(units.size(), n, [&](size_t k, int w) {
+    std::vector<uint8_t>& buf = bufs[size_t(w)];
+    const ChecksumUnit& u = units[k];
+    auto gone = missing.find(u.file);
+    if (gone != missing.end()) {
+      report(gone->second);
+      return;
     }
-  };
-  const size_t n = std::min<size_t>(size_t(std::max(1, threads)), std::max<size_t>(1, units.size()));
-  std::vector<std::thread> pool;
-  for (size_t i = 1; i < n; ++i) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
+    try {
+      const uint8_t* map = reader.mapped(u.file);
+      std::string why;
+      if (map && size.at(u.file) >= u.offset + u.length) {
+        why = reader.verify_range(u.file, u.offset, u.length, map + u.offset);
+        if (drop_pages) io::drop_mapped_pages(map + u.offset, u.length);
+      } else {
+        buf.resize(size_t(u.length));
+        reader.read(u.file, u.offset, u.length, buf.data());
+        why = reader.verify_range(u.file, u.offset, u.length, buf.data());
+      }
+      if (!why.empty()) report(why);
+    } catch (const Error& e) {
+      report(e.what());
+    }
+  });
   // What the per-unit drops left (pages faulted in again around a neighbour's drop).
   if (drop_pages) reader.drop_mapped_pages();
   std::sort(problems.begin(), problems.end());

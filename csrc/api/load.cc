@@ -13,6 +13,7 @@
 #include "api/report.h"
 #include "comm/agree.h"
 #include "exec/executor.h"
+#include "io/parallel.h"
 #include "reshard/error.h"
 #include "reshard/reshard.h"
 
@@ -195,9 +196,9 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
     else if (mine.empty()) mine = try_local(fn);
   };
   step([&] {
-    if (options.io_threads < 1 || options.io_threads > 1024)
-      fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024");
-    eo.io_threads = options.io_threads;
+    if (options.io_threads < 0 || options.io_threads > 1024)
+      fail(ErrorCode::kInvalidArgument, "load option io_threads=", options.io_threads, " must be 1..1024 (0: the default)");
+    eo.io_threads = options.io_threads == 0 ? default_threads() : options.io_threads;
     eo.memory_budget = options.plan.memory_budget;
     eo.replica_policy = options.plan.replica_policy;
     eo.replica_atol = options.plan.replica_atol;

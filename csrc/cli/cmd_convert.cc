@@ -23,6 +23,7 @@
 #include "cli/progress.h"
 #include "formats/native/native_internal.h"
 #include "io/file.h"
+#include "io/parallel.h"
 #include "reshard/checkpoint.h"
 #include "reshard/comm.h"
 #include "reshard/comm_mpi.h"
@@ -60,7 +61,7 @@ std::vector<std::string> check_pieces(const CheckpointReader& ckpt, int part, in
   std::vector<ChecksumUnit> mine;
   for (size_t i = 0; i < all.size(); ++i)
     if (int(i % size_t(parts)) == part) mine.push_back(all[i]);
-  return check_checksum_units(ckpt, mine, int(std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
+  return check_checksum_units(ckpt, mine, default_threads());
 }
 
 [[noreturn]] void fail_checksums(const std::vector<std::string>& problems, const std::string& out) {

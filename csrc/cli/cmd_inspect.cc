@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cli/commands.h"
+#include "io/parallel.h"
 #include "io/file.h"
 #include "reshard/checkpoint.h"
 #include "reshard/consolidate.h"
@@ -148,11 +149,8 @@ Command inspect_command() {
     if (a->stats) {
       // Statistics of corrupted bytes would look plausible: --stats reads every byte anyway, so it
       // checks every stored checksum first and lists mismatches as problems.
-      {
-        const unsigned hw = std::thread::hardware_concurrency();
-        for (const std::string& bad : check_checksum_units(*ckpt, ckpt->checksum_units(), int(hw ? hw : 2)))
-          problems.push_back("checksum: " + bad);
-      }
+      for (const std::string& bad : check_checksum_units(*ckpt, ckpt->checksum_units(), default_threads()))
+        problems.push_back("checksum: " + bad);
       json top = json::object();
       try {
         bool opt = false;

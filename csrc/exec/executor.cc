@@ -1,5 +1,7 @@
 #include "exec/executor.h"
 
+#include "io/parallel.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -130,36 +132,17 @@ void agree_or_throw(Communicator& comm, const std::string& mine, ErrorCode code,
   fail(code, what, " failed before any live tensor was written: ", msg);
 }
 
-// Runs fn(i) for i in [0, n) on up to `threads` threads; returns the first error message.
+// Runs fn(i) for i in [0, n) on up to `threads` threads (reshard::parallel_for); returns the
+// first error's message instead of throwing it, for the ranks to agree on.
 template <typename Fn>
-std::string parallel_for(size_t n, int threads, Fn fn) {
-  std::atomic<size_t> next{0};
-  std::mutex mu;
-  std::string first_error;
-  auto worker = [&] {
-    while (true) {
-      size_t i = next.fetch_add(1);
-      if (i >= n) return;
-      try {
-        fn(i);
-      } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> g(mu);
-        if (first_error.empty()) first_error = e.what();
-        next = n;
-      }
-    }
-  };
-  int t = std::max(1, std::min<int>(threads, int(n)));
-  if (t == 1) {
-    worker();
-  } else {
-    std::vector<std::thread> pool;
-    for (int k = 0; k < t; ++k) pool.emplace_back(worker);
-    for (auto& th : pool) th.join();
+std::string first_error_of(size_t n, int threads, Fn fn) {
+  try {
+    reshard::parallel_for(n, threads, [&](size_t i, int) { fn(i); });
+  } catch (const std::exception& e) {
+    return e.what();
   }
-  return first_error;
+  return {};
 }
-
 // Address of element `at` of live buffer `buffer` (this rank's memory for it).
 uint8_t* live_at(const Layout& target, const std::vector<void*>& buffers, int32_t buffer, int64_t at) {
   return static_cast<uint8_t*>(buffers[size_t(buffer)]) + at * int64_t(dtype_size(target.buffers[size_t(buffer)].dtype));
@@ -390,7 +373,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
     for (size_t i = 0; i < plan.replica_compares.size(); ++i)
       if (plan.replica_compares[i].checker == me) mine.push_back(i);
     std::vector<double> maxdiff(mine.size(), 0.0);
-    std::string err = parallel_for(mine.size(), io_threads, [&](size_t k) {
+    std::string err = first_error_of(mine.size(), io_threads, [&](size_t k) {
       maxdiff[k] = replica_max_abs_diff(plan.replica_compares[mine[k]], read);
     });
     if (!err.empty()) err = prefix(comm) + err;
@@ -705,7 +688,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     // Read (+ verify) on the pool.
     auto tr = Clock::now();
     std::atomic<uint64_t> nverified{0}, nverified_bytes{0}, replica_bytes{0};
-    std::string err = parallel_for(mine.size(), opt.io_threads, [&](size_t k) {
+    std::string err = first_error_of(mine.size(), opt.io_threads, [&](size_t k) {
       const Mine& m = mine[k];
       const Fragment& f = plan.fragments[m.frag];
       const Box rel = at_origin(f.box);
@@ -821,7 +804,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     // peers instead of after.
     std::vector<size_t> to_slots, to_live;
     for (size_t k = 0; k < copies.size(); ++k) (copies[k].local ? to_live : to_slots).push_back(k);
-    std::string cerr = parallel_for(to_slots.size(), opt.io_threads, [&](size_t k) { do_copy(copies[to_slots[k]]); });
+    std::string cerr = first_error_of(to_slots.size(), opt.io_threads, [&](size_t k) { do_copy(copies[to_slots[k]]); });
     if (!cerr.empty()) fail(ErrorCode::kInternal, prefix(comm), "packing sends failed: ", cerr);
     // Local copy tasks: the copies of one fragment out of the file mapping form one task (which
     // first checks the fragment's checksum where the read step deferred it, slab by slab as it
@@ -871,7 +854,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
     };
     std::string lerr;
     std::thread local_copies([&] {
-      lerr = parallel_for(tasks.size(), opt.io_threads, [&](size_t t) {
+      lerr = first_error_of(tasks.size(), opt.io_threads, [&](size_t t) {
         const Task& task = tasks[t];
         if (task.check) {
           const Copy& c = copies[to_live[task.first]];
@@ -934,7 +917,7 @@ ExecStats execute_plan(const Plan& plan, const Layout& target, const CheckpointR
       for (uint32_t j = 0; j < f.num_deliveries; ++j)
         if (plan.deliveries[f.first_delivery + j].rank == me) rx_frag.push_back(i);
     }
-    std::string serr = parallel_for(rx.size(), opt.io_threads, [&](size_t k) {
+    std::string serr = first_error_of(rx.size(), opt.io_threads, [&](size_t k) {
       const Fragment& f = plan.fragments[rx_frag[k]];
       const Delivery& dv = plan.deliveries[rx[k].second];
       const Buffer& b = target.buffers[dv.buffer];

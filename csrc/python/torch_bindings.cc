@@ -614,7 +614,7 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       py::arg("checkpoint"), py::arg("target"), py::arg("tensors"), py::arg("comm"), py::arg("options"),
-      py::arg("io_threads") = 4, py::arg("verify") = "free", py::arg("progress") = py::none());
+      py::arg("io_threads") = 0, py::arg("verify") = "free", py::arg("progress") = py::none());
 
   m.def(
       "check_buffers",

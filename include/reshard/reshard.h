@@ -30,9 +30,10 @@ struct LoadProgress {
 
 struct LoadOptions {
   PlanOptions plan;
-  /// Threads per rank that read, check and copy (1..1024; else Error(kInvalidArgument)). On the
-  /// 2-core benchmark machine 1, 2 and 4 were within noise even at 8 ranks.
-  int io_threads = 4;
+  /// Threads per rank that read, check and copy: 1..1024, or 0 for default_threads()
+  /// ($RESHARD_THREADS, else the cores up to 8; io/parallel.h); else Error(kInvalidArgument). On
+  /// the 2-core benchmark machine 1, 2 and 4 were within noise even at 8 ranks.
+  int io_threads = 0;
   /// Checksum checks while loading (units: native pieces with their xxh3-64, DeepSpeed zip records
   /// with their CRC-32; see ChecksumUnit):
   ///  - "free" (default): every fragment that is exactly one unit is checked as it is read, at no

@@ -389,6 +389,10 @@ def _agree(comm: "Communicator", err: Optional[BaseException], what: str) -> Non
 
 
 def _check_io_threads(io_threads) -> int:
+    """io_threads as the C++ load takes it: None -> 0 (the default: $RESHARD_THREADS, else the
+    cores up to 8), else an int 1..1024 (InvalidArgument otherwise)."""
+    if io_threads is None:
+        return 0
     try:
         n = None if isinstance(io_threads, bool) else operator.index(io_threads)
     except TypeError:
@@ -399,7 +403,7 @@ def _check_io_threads(io_threads) -> int:
 
 
 def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, *, comm: Optional["Communicator"] = None,
-         step=None, model: Optional[str] = None, policies: Optional[Mapping] = None, io_threads: int = 4,
+         step=None, model: Optional[str] = None, policies: Optional[Mapping] = None, io_threads: Optional[int] = None,
          verify: str = "free", progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Loads a checkpoint into this rank's live tensors, resharding as needed. Collective over
     ``comm`` (default: torch.distributed WORLD when initialized with more than one rank, else one
@@ -433,6 +437,9 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     (DeepSpeed's optimizers keep them equal in every save; a difference means swapped tp layer
     files, files from different saves or edited weights), holding at most min(64 MiB,
     memory_budget) of weights and masters at a time ("peak_verify_bytes"). "off": none.
+
+    ``io_threads``: threads per rank that read, check and copy, 1..1024; None: $RESHARD_THREADS,
+    else the machine's cores up to 8 (the one thread setting of the C++ library).
 
     ``progress``: called on this rank's thread as each step finishes, with ``{"stage", "index",
     "count", "bytes_done", "bytes_total", "seconds"}``: stage "plan" (planned and agreed), then

@@ -12,6 +12,7 @@
 #include "formats/native/native_internal.h"
 #include "formats/safetensors/safetensors.h"
 #include "io/file.h"
+#include "io/parallel.h"
 #include "reshard/checkpoint.h"
 #include "reshard/error.h"
 #include "reshard/native.h"
@@ -342,7 +343,7 @@ std::vector<std::string> verify_all(const CheckpointReader& reader) {
         report("buffer " + src.layout.buffers[b].name + " (rank " + std::to_string(src.layout.buffers[b].rank) +
                "): its data file is missing");
   }
-  const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  const int n = default_threads();
   // Formats other than native store checksums per storage unit, not per piece (DeepSpeed: the zip
   // CRC-32 of each record; a ZeRO flat partition is one record holding many pieces), so a piece
   // read does not check them: every unit is read whole and checked, and only pieces outside every
@@ -374,41 +375,35 @@ std::vector<std::string> verify_all(const CheckpointReader& reader) {
     if (inside_a_unit(loc.file, off, off + uint64_t(native::piece_span(pc)) * es)) continue;
     todo.push_back(int(p));
   }
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    std::vector<char> buf;
-    for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
-      const int p = todo[k];
-      const Piece& pc = src.layout.pieces[p];
-      const Buffer& b = src.layout.buffers[pc.buffer];
-      const auto& loc = src.locations[pc.buffer];
-      const size_t es = dtype_size(b.dtype);
-      const uint64_t off = loc.byte_offset + uint64_t(pc.base) * es;
-      const uint64_t len = uint64_t(native::piece_span(pc)) * es;
-      try {
-        // A chunk at a time through one small buffer per thread: a piece can be a GB (a 70B
-        // model's fused SwiGLU master at tp 1), and a whole-piece buffer per thread made
-        // `reshard verify` hold threads x the largest piece.
-        std::unique_ptr<RangeCheck> check = reader.begin_check(loc.file, off, len);
-        constexpr uint64_t kChunk = uint64_t(8) << 20;
-        buf.resize(size_t(std::min(len, kChunk)));
-        for (uint64_t at = 0; at < len; at += kChunk) {
-          const uint64_t n = std::min(kChunk, len - at);
-          reader.read(loc.file, off + at, n, buf.data());
-          if (check) check->update(buf.data(), size_t(n));
-        }
-        const std::string why = check ? check->finish() : std::string();
-        if (!why.empty()) report(why);
-        else if (nat && nat->checksums()[p].empty()) report(nat->describe_piece(p) + ": no stored checksum");
-      } catch (const Error& e) {
-        report((nat ? nat->describe_piece(p) : "buffer " + b.name) + ": " + e.what());
+  std::vector<std::vector<char>> bufs(static_cast<size_t>(n));  // per thread
+  parallel_for(todo.size(), n, [&](size_t k, int w) {
+    std::vector<char>& buf = bufs[size_t(w)];
+    const int p = todo[k];
+    const Piece& pc = src.layout.pieces[p];
+    const Buffer& b = src.layout.buffers[pc.buffer];
+    const auto& loc = src.locations[pc.buffer];
+    const size_t es = dtype_size(b.dtype);
+    const uint64_t off = loc.byte_offset + uint64_t(pc.base) * es;
+    const uint64_t len = uint64_t(native::piece_span(pc)) * es;
+    try {
+      // A chunk at a time through one small buffer per thread: a piece can be a GB (a 70B
+      // model's fused SwiGLU master at tp 1), and a whole-piece buffer per thread made
+      // `reshard verify` hold threads x the largest piece.
+      std::unique_ptr<RangeCheck> check = reader.begin_check(loc.file, off, len);
+      constexpr uint64_t kChunk = uint64_t(8) << 20;
+      buf.resize(size_t(std::min(len, kChunk)));
+      for (uint64_t at = 0; at < len; at += kChunk) {
+        const uint64_t n = std::min(kChunk, len - at);
+        reader.read(loc.file, off + at, n, buf.data());
+        if (check) check->update(buf.data(), size_t(n));
       }
+      const std::string why = check ? check->finish() : std::string();
+      if (!why.empty()) report(why);
+      else if (nat && nat->checksums()[p].empty()) report(nat->describe_piece(p) + ": no stored checksum");
+    } catch (const Error& e) {
+      report((nat ? nat->describe_piece(p) : "buffer " + b.name) + ": " + e.what());
     }
-  };
-  std::vector<std::thread> threads;
-  for (unsigned i = 1; i < n; ++i) threads.emplace_back(work);
-  work();
-  for (auto& t : threads) t.join();
+  });
   std::sort(problems.begin(), problems.end());
   return problems;
 }

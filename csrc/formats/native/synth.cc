@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "formats/native/native_internal.h"
+#include "io/parallel.h"
 #include "reshard/error.h"
 #include "reshard/native.h"
 
@@ -85,7 +86,7 @@ void synth_checkpoint(const std::string& root, const ModelConfig& model, const T
   for (size_t p = 0; p < L.pieces.size(); ++p) pieces_of_rank[L.buffers[L.pieces[p].buffer].rank].push_back(int(p));
 
   std::vector<std::unique_ptr<void, FreeDeleter>> storage(L.buffers.size());
-  const unsigned nthreads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  const int nthreads = default_threads();
 
   auto provide = [&](int rank) {
     for (auto& s : storage) s.reset();
@@ -108,59 +109,53 @@ void synth_checkpoint(const std::string& root, const ModelConfig& model, const T
       const int64_t step_outer = std::max<int64_t>(1, (int64_t(1) << 20) / inner);
       for (int64_t o = 0; o < outer; o += step_outer) items.push_back({p, o, std::min(outer, o + step_outer)});
     }
-    std::atomic<size_t> next{0};
-    auto work = [&] {
-      std::vector<float> tmp;
-      for (size_t k; (k = next.fetch_add(1)) < items.size();) {
-        const WorkItem& it = items[k];
-        const Piece& pc = L.pieces[it.piece];
-        const LogicalArray& a = L.arrays[pc.array];
-        const Buffer& buf = L.buffers[pc.buffer];
-        const uint64_t key = keys[pc.array];
-        const bool nonneg = a.state == StateKind::kExpAvgSq;
-        const size_t es = dtype_size(buf.dtype);
-        char* dst = static_cast<char*>(storage[pc.buffer].get());
-        const int nd = pc.box.ndim;
-        const int last = nd - 1;
-        const int64_t inner = nd == 0 ? 1 : pc.box.len[last];
-        const int64_t inner_stride = nd == 0 ? 1 : pc.strides[last];
-        // Row-major multipliers of the logical array (dim 0's length ignored).
-        std::array<int64_t, kMaxDims> mult{};
-        int64_t m = 1;
-        for (int d = nd - 1; d >= 0; --d) {
-          mult[d] = m;
-          m *= a.shape[d];
+    std::vector<std::vector<float>> tmps(static_cast<size_t>(nthreads));  // per thread
+    parallel_for(items.size(), nthreads, [&](size_t k, int w) {
+      std::vector<float>& tmp = tmps[size_t(w)];
+      const WorkItem& it = items[k];
+      const Piece& pc = L.pieces[it.piece];
+      const LogicalArray& a = L.arrays[pc.array];
+      const Buffer& buf = L.buffers[pc.buffer];
+      const uint64_t key = keys[pc.array];
+      const bool nonneg = a.state == StateKind::kExpAvgSq;
+      const size_t es = dtype_size(buf.dtype);
+      char* dst = static_cast<char*>(storage[pc.buffer].get());
+      const int nd = pc.box.ndim;
+      const int last = nd - 1;
+      const int64_t inner = nd == 0 ? 1 : pc.box.len[last];
+      const int64_t inner_stride = nd == 0 ? 1 : pc.strides[last];
+      // Row-major multipliers of the logical array (dim 0's length ignored).
+      std::array<int64_t, kMaxDims> mult{};
+      int64_t m = 1;
+      for (int d = nd - 1; d >= 0; --d) {
+        mult[d] = m;
+        m *= a.shape[d];
+      }
+      tmp.resize(size_t(inner));
+      for (int64_t o = it.outer_begin; o < it.outer_end; ++o) {
+        // Outer coordinate o -> box-relative indices of dims [0, last).
+        int64_t rest = o, lin0 = 0, mem = pc.base;
+        for (int d = last - 1; d >= 0; --d) {
+          const int64_t i = rest % pc.box.len[d];
+          rest /= pc.box.len[d];
+          lin0 += (pc.box.off[d] + i) * mult[d];
+          mem += i * pc.strides[d];
         }
-        tmp.resize(size_t(inner));
-        for (int64_t o = it.outer_begin; o < it.outer_end; ++o) {
-          // Outer coordinate o -> box-relative indices of dims [0, last).
-          int64_t rest = o, lin0 = 0, mem = pc.base;
-          for (int d = last - 1; d >= 0; --d) {
-            const int64_t i = rest % pc.box.len[d];
-            rest /= pc.box.len[d];
-            lin0 += (pc.box.off[d] + i) * mult[d];
-            mem += i * pc.strides[d];
-          }
-          if (nd > 0) lin0 += pc.box.off[last];
-          char* out = dst + uint64_t(mem) * es;
-          if (buf.dtype == DType::F32 && inner_stride == 1) {
-            fill_values(key, nonneg, lin0, inner, reinterpret_cast<float*>(out));
-            continue;
-          }
-          fill_values(key, nonneg, lin0, inner, tmp.data());
-          if (inner_stride == 1) {
-            convert_elements(tmp.data(), DType::F32, out, buf.dtype, size_t(inner));
-          } else {
-            for (int64_t k2 = 0; k2 < inner; ++k2)
-              convert_elements(&tmp[k2], DType::F32, out + uint64_t(k2 * inner_stride) * es, buf.dtype, 1);
-          }
+        if (nd > 0) lin0 += pc.box.off[last];
+        char* out = dst + uint64_t(mem) * es;
+        if (buf.dtype == DType::F32 && inner_stride == 1) {
+          fill_values(key, nonneg, lin0, inner, reinterpret_cast<float*>(out));
+          continue;
+        }
+        fill_values(key, nonneg, lin0, inner, tmp.data());
+        if (inner_stride == 1) {
+          convert_elements(tmp.data(), DType::F32, out, buf.dtype, size_t(inner));
+        } else {
+          for (int64_t k2 = 0; k2 < inner; ++k2)
+            convert_elements(&tmp[k2], DType::F32, out + uint64_t(k2 * inner_stride) * es, buf.dtype, 1);
         }
       }
-    };
-    std::vector<std::thread> threads;
-    for (unsigned i = 1; i < nthreads && i < items.size(); ++i) threads.emplace_back(work);
-    work();
-    for (auto& t : threads) t.join();
+    });
     return ptrs;
   };
   native::save_all_ranks_with(root, step, L, state, provide);
