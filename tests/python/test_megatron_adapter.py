@@ -109,3 +109,34 @@ def test_live_qkv_order_is_read_off_the_attention_code():
         RM.live_qkv_order(torch.nn.Sequential(_attention(True), _attention(False)))
     with pytest.raises(reshard.Unsupported, match="grouped-query"):
         RM.live_qkv_order(torch.nn.Sequential(_attention(True, 2, 1)))
+
+
+def test_a_first_start_from_an_empty_load_folder_loads_nothing(tmp_path, monkeypatch):
+    """load_checkpoint on a --load folder that is missing or empty returns iteration 0, as
+    upstream's does, and last_report is None (a caller reading it after a first start must not
+    fail)."""
+    import argparse
+    import socket
+    import types
+    import torch.distributed as dist
+    megatron = types.ModuleType("megatron")
+    core = types.ModuleType("megatron.core")
+    core.mpu = types.ModuleType("megatron.core.mpu")
+    megatron.core = core
+    monkeypatch.setitem(sys.modules, "megatron", megatron)
+    monkeypatch.setitem(sys.modules, "megatron.core", core)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        RM.load_checkpoint.last_report = {"stale": True}
+        (tmp_path / "empty").mkdir()
+        for folder in (tmp_path / "empty", tmp_path / "missing"):
+            args = argparse.Namespace(load=str(folder))
+            assert RM.load_checkpoint([object()], None, None, args) == 0
+            assert RM.load_checkpoint.last_report is None
+        with pytest.raises(reshard.InvalidArgument, match="args.load is not set"):
+            RM.load_checkpoint([object()], None, None, argparse.Namespace(load=None))
+    finally:
+        dist.destroy_process_group()

@@ -864,7 +864,8 @@ def load_checkpoint(model, optimizer=None, opt_param_scheduler=None, args=None, 
     ``policies``, ``verify``: as reshard.load (e.g. ``{"vocab_padding": "refuse"}``). ``qkv_order``:
     the fused QKV row order the running code reads ("interleaved" or "blocked"), only where
     :func:`live_qkv_order` cannot tell it. ``log``: print the load report's summary, warnings and
-    what was not carried on rank 0; the whole report is ``load_checkpoint.last_report``.
+    what was not carried on rank 0; the whole report is ``load_checkpoint.last_report`` (None
+    when nothing was loaded: a first start from an empty ``--load`` folder).
 
     A ``--load`` folder that does not exist or is empty starts the job from iteration 0 (the first
     start of a job run with ``--save X --load X``), as upstream does. Raises reshard.Error subclasses
@@ -883,6 +884,7 @@ def load_checkpoint(model, optimizer=None, opt_param_scheduler=None, args=None, 
                                       f"state; use upstream's load_checkpoint for --{flag.replace('_', '-')}")
     if not load_dir:
         raise reshard.InvalidArgument(f"args.{load_arg} is not set: nothing to load")
+    load_checkpoint.last_report = None
     if not os.path.isdir(load_dir) or not os.listdir(load_dir):
         if rank == 0:
             print(f"reshard: {load_dir} holds no checkpoint (missing or empty folder): starting from iteration 0",
@@ -931,3 +933,6 @@ def load_checkpoint(model, optimizer=None, opt_param_scheduler=None, args=None, 
             print(f"reshard: not carried: {n}", flush=True)
     load_checkpoint.last_report = report
     return iteration
+
+
+load_checkpoint.last_report = None  # set by each call; None until a checkpoint was loaded
