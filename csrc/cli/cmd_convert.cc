@@ -159,14 +159,14 @@ void check_output(const std::string& out, const std::string& shown, const std::s
   if (std::filesystem::exists(dst_status)) {
     if (same_file(dst, source_step_dir))
       fail(ErrorCode::kInvalidArgument, "convert: OUT ", shown, " step ", step,
-           " is the source step folder itself; write elsewhere or choose --step");
+           " is the source step folder itself; write elsewhere or choose --out-step");
     if (!std::filesystem::is_directory(dst_status) && !std::filesystem::is_symlink(dst_status))
       fail(ErrorCode::kInvalidArgument, "convert: ", io::join(shown, step),
-           " exists and is not a folder; remove it or choose another --step (--overwrite replaces step folders only)");
+           " exists and is not a folder; remove it or choose another --out-step (--overwrite replaces step folders only)");
     if (!overwrite)
       fail(ErrorCode::kInvalidArgument, "convert: ", io::join(shown, step),
            is_native_step(dst) ? " already holds a checkpoint" : " already exists",
-           "; pass --overwrite to replace it or choose another --step");
+           "; pass --overwrite to replace it or choose another --out-step");
   }
   // The save refuses this too (commit_step), but only after writing every data file.
   const std::string latest = io::join(out, native::kLatestFile);

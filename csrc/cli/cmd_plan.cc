@@ -159,7 +159,8 @@ Command plan_command() {
       target_layout = std::move(tl);
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
-    std::fprintf(stderr, "change: %s\n", plan.change.c_str());
+    // With --json, stdout is the JSON alone: the change in words goes to stderr beside the warnings.
+    if (a->json) std::fprintf(stderr, "change: %s\n", plan.change.c_str());
     for (const auto& w : plan.warnings) std::fprintf(stderr, "warning: %s\n", detail::one_line(w).c_str());
     nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan_summary_json(plan, secs, &target_layout));
     const uint64_t read_max = j["read_bytes_per_rank_max"];

@@ -77,8 +77,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+    // --help and --version print and exit 0 as CLI11 does; a usage error is one line, like every
+    // other error, pointing at the command's help.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::string where;
+    for (const CLI::App* sub : app.get_subcommands()) where = " " + sub->get_name();
+    std::fprintf(stderr, "reshard: error: %s (reshard%s --help)\n", e.what(), where.c_str());
+    return 2;
   }
   if (help->parsed()) {
     if (topic.empty()) {  // the tool's own help (App::help would show the selected `help`'s)

@@ -47,7 +47,7 @@ void Progress::end() {
 void Progress::draw(bool final) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
   std::string line = "\r  " + name_;
-  if (line.size() < 16) line.resize(16, ' ');
+  if (line.size() < 22) line.resize(22, ' ');  // "\r  weights vs master" and shorter names line up
   char buf[160];
   if (total_ > 0) {
     const double frac = done_ >= total_ ? 1.0 : double(done_) / double(total_);

@@ -29,7 +29,7 @@ def test_version_help_and_unknown_commands():
     assert r.returncode == 0 and "Subcommands:" in r.stdout, r.stdout
     assert all(c in r.stdout for c in ("plan", "inspect", "verify", "convert", "synth", "diff")), r.stdout
     r = run("help", "convert")
-    assert r.returncode == 0 and "convert [OPTIONS] IN OUT" in r.stdout and "--target" in r.stdout, r.stdout
+    assert r.returncode == 0 and "convert [OPTIONS] IN [OUT]" in r.stdout and "--target" in r.stdout, r.stdout
     r = run("plna", "x")
     assert r.returncode == 2 and "unknown command 'plna' (did you mean 'plan'?)" in r.stderr, r.stderr
     r = run("frobnicate")
@@ -357,7 +357,7 @@ def test_progress_on_a_terminal_only_and_nothing_under_quiet(tmp_path):
     import re
     stages = re.findall(r"\r  ([a-z]+)[^\r\n]*? \d+\.\d\d s\x1b\[K", out)  # each stage's finished line
     assert stages == ["open", "plan", "checksums", "weights", "read", "write"], out
-    assert "read and copy [########################] 100%" in out, out
+    assert re.search(r"read and copy +\[#{24}\] 100%", out), out
     assert "wrote " in out, out
     code, out = _on_a_terminal("verify", tmp_path / "a")
     assert code == 0 and "\r  checksums" in out and "OK: every checksum matches" in out, out

@@ -522,9 +522,10 @@ def test_resume_config_fields_are_checked_by_type_and_named(tmp_path):
         reshard.plan(ck, "tp=1", policies={"memory_budget_gib": 1, "memory_budget_bytes": 65536})
     with pytest.raises(reshard.InvalidArgument, match="memory_budget_gib"):
         reshard.plan(ck, "tp=1", policies={"memory_budget_gib": float("inf")})
+    L = reshard.derive_layout(reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1")
     with pytest.raises(reshard.InvalidArgument, match="io_threads"):
-        L = reshard.derive_layout(reshard.model_config(TINY), "tp=1,pp=1,dp=1,zero=1")
-        reshard.load(ck, L, zeros_for(L), io_threads=None)
+        reshard.load(ck, L, zeros_for(L), io_threads="4")
+    assert reshard.load(ck, L, zeros_for(L), io_threads=None)["target_bytes"] == L.total_bytes  # None: the default
 
 
 def test_resume_configs():
