@@ -231,14 +231,11 @@ Command convert_command() {
         fail(ErrorCode::kInvalidArgument, "convert --config ", a->config, " names the source checkpoint; give only OUT");
       a->out = a->in;  // the one path given
       // Flags the config also sets are refused rather than silently overriding one or the other.
-      for (const auto& [given, flag] :
-           {std::pair{!a->target.empty(), "--target"}, {!a->source_step.empty(), "--step"}, {!a->model.empty(), "--model"},
-            {!a->budget.empty(), "--memory-budget"}, {a->no_dedup, "--no-dedup"},
-            {a->vocab_padding != "warn", "--vocab-padding"}, {a->verify != "full", "--verify"}})
-        if (given)
-          fail(ErrorCode::kInvalidArgument, "convert --config ", a->config, " sets the source, target and policies; ",
-               flag, " cannot be given with it (edit the config, or convert without --config)");
-      ResumeConfig rc = load_resume_config(a->config);
+      ResumeConfig rc = read_config_request(
+          "convert", a->config,
+          {{!a->target.empty(), "--target"}, {!a->source_step.empty(), "--step"}, {!a->model.empty(), "--model"},
+           {!a->budget.empty(), "--memory-budget"}, {a->no_dedup, "--no-dedup"},
+           {a->vocab_padding != "warn", "--vocab-padding"}, {a->verify != "full", "--verify"}});
       a->in = rc.checkpoint;
       a->source_step = rc.step;
       a->model = rc.model;

@@ -86,14 +86,11 @@ Command plan_command() {
     std::string verify;  // the config's, reported
     if (!a->config.empty()) {
       // The config is the whole request, as the trainer reads it; flags that would change it are refused.
-      for (const auto& [given, flag] : {std::pair{!a->path.empty(), "PATH"}, {!a->target.empty(), "--target"},
-                                        {!a->step.empty(), "--step"}, {!a->model.empty(), "--model"},
-                                        {!a->source.empty(), "--source"}, {!a->budget.empty(), "--memory-budget"},
-                                        {a->no_dedup, "--no-dedup"}, {a->vocab_padding != "warn", "--vocab-padding"}})
-        if (given)
-          fail(ErrorCode::kInvalidArgument, "plan --config ", a->config, " sets the checkpoint, target and policies; ",
-               flag, " cannot be given with it (edit the config, or plan without --config)");
-      ResumeConfig rc = load_resume_config(a->config);
+      ResumeConfig rc = read_config_request(
+          "plan", a->config,
+          {{!a->path.empty(), "PATH"}, {!a->target.empty(), "--target"}, {!a->step.empty(), "--step"},
+           {!a->model.empty(), "--model"}, {!a->source.empty(), "--source"}, {!a->budget.empty(), "--memory-budget"},
+           {a->no_dedup, "--no-dedup"}, {a->vocab_padding != "warn", "--vocab-padding"}});
       a->path = rc.checkpoint;
       a->step = rc.step;
       a->model = rc.model;

@@ -101,4 +101,13 @@ std::vector<Command> all_commands() {
   return v;
 }
 
+ResumeConfig read_config_request(const std::string& command, const std::string& path,
+                                 std::initializer_list<std::pair<bool, const char*>> flags) {
+  for (const auto& [given, flag] : flags)
+    if (given)
+      fail(ErrorCode::kInvalidArgument, command, " --config ", path, " sets the checkpoint, target and policies; ", flag,
+           " cannot be given with it (edit the config, or ", command, " without --config)");
+  return load_resume_config(path);
+}
+
 }  // namespace reshard::cli

@@ -5,10 +5,12 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "reshard/config.h"
 #include "reshard/layout.h"
 
 namespace reshard::cli {
@@ -41,5 +43,11 @@ std::vector<int> same_pp_stages(const Layout& source, const Topology& target);
 
 /// Resolves a --model argument: a path, or a name under configs/models/ ("tiny-gpt").
 std::string resolve_model_path(const std::string& model);
+
+/// `plan --config` / `convert --config`: the resume config at `path` (load_resume_config) is the
+/// whole request, so each flag of `flags` ({given, name}) that was given is refused first:
+/// Error(kInvalidArgument) naming `command`, the config and the flag.
+ResumeConfig read_config_request(const std::string& command, const std::string& path,
+                                 std::initializer_list<std::pair<bool, const char*>> flags);
 
 }  // namespace reshard::cli
