@@ -81,7 +81,7 @@ if [[ -f build/CMakeCache.txt ]] && ! grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$'
 fi
 # The extension lives in the package now; one a plain CMake build left in the tree would shadow it.
 rm -f python/reshard/_C*.so
-echo "[setup] building and installing (build/; about 12 min from scratch on 2 cores)"
+echo "[setup] building and installing (build/; about 12-14 min from scratch on 2 cores)"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 "$VPY" -m pip install -q --no-build-isolation --no-deps -c .venv/constraints.txt -e . \
   -Cbuild-dir=build -Ccmake.build-type="$BUILD_TYPE" \

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <memory>
 #include <sstream>
 
 #include "api/report.h"
@@ -31,11 +30,11 @@ Plan plan_load(const CheckpointReader& ckpt, const Layout& target, const PlanOpt
   return p;
 }
 
-std::string plan_summary_json(const Plan& p, double plan_seconds, const Layout* target) {
+std::string plan_summary_json(const Plan& p, double plan_seconds, const Layout& target) {
   nlohmann::json j;
-  if (target) {
-    std::vector<uint64_t> live(size_t(target->topo.world_size()), 0), read(live.size(), 0);
-    for (const Buffer& b : target->buffers) live[size_t(b.rank)] += uint64_t(b.numel) * dtype_size(b.dtype);
+  {
+    std::vector<uint64_t> live(size_t(target.topo.world_size()), 0), read(live.size(), 0);
+    for (const Buffer& b : target.buffers) live[size_t(b.rank)] += uint64_t(b.numel) * dtype_size(b.dtype);
     for (const Fragment& f : p.fragments)
       if (f.reader >= 0 && size_t(f.reader) < read.size()) read[size_t(f.reader)] += f.bytes();
     uint64_t total = 0;
@@ -235,29 +234,30 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
       if (!done) r.drop_mapped_pages();
     }
   } drop_mappings{ckpt};
+  std::vector<uint64_t> per_wave;  // this rank's source bytes per wave, for on_progress
   if (options.on_progress) {
-    // This rank's source bytes per wave, for bytes_done / bytes_total.
     const int me = comm.rank();
-    auto per_wave = std::make_shared<std::vector<uint64_t>>(size_t(plan.num_waves) + 1, 0);
+    per_wave.assign(size_t(plan.num_waves) + 1, 0);
     for (const Fragment& f : plan.fragments)
       for (uint32_t k = 0; k < f.num_deliveries; ++k)
-        if (plan.deliveries[f.first_delivery + k].rank == me) (*per_wave)[size_t(f.wave) + 1] += f.bytes();
+        if (plan.deliveries[f.first_delivery + k].rank == me) per_wave[size_t(f.wave) + 1] += f.bytes();
     uint64_t total = 0;
-    for (uint64_t b : *per_wave) total += b;
+    for (uint64_t b : per_wave) total += b;
     LoadProgress p;
     p.stage = "plan";
     p.index = p.count = 1;
     p.bytes_total = total;
     p.seconds = since(t0);
     options.on_progress(p);
-    eo.on_wave_done = [per_wave, total, t0, &options, n = plan.num_waves, done = uint64_t(0)](int w) mutable {
+    // Called only inside execute_plan below, while per_wave and options live.
+    eo.on_wave_done = [&per_wave, total, t0, &options, n = plan.num_waves, done = uint64_t(0)](int w) mutable {
       LoadProgress q;
       q.bytes_total = total;
       if (w == 0) {
         q.stage = "preflight";
         q.index = q.count = 1;
       } else {
-        done += (*per_wave)[size_t(w)];
+        done += per_wave[size_t(w)];
         q.stage = "wave";
         q.index = w;
         q.count = n;

@@ -57,7 +57,8 @@ uint64_t peak_rss_bytes() {
 }
 
 
-int default_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
+// Ceilings are measured with every core reading (not reshard::default_threads(), which caps at 8).
+int all_cores() { return int(std::max(1u, std::thread::hardware_concurrency())); }
 
 // Fraction of the file's pages resident in the page cache (mincore), -1 when unknown.
 double resident_fraction(const std::string& path) {
@@ -270,7 +271,7 @@ struct CeilingArgs {
 };
 
 int run_read_ceiling(const CeilingArgs& a) {
-  const int T = a.threads > 0 ? a.threads : default_threads();
+  const int T = a.threads > 0 ? a.threads : all_cores();
   const uint64_t chunk = parse_size(a.chunk, "--chunk");
   if (chunk == 0 || chunk % 4096 != 0)
     fail(ErrorCode::kInvalidArgument, "read-ceiling: --chunk ", a.chunk, " must be a positive multiple of 4096 bytes");
@@ -363,7 +364,7 @@ struct MemcpyArgs {
 };
 
 int run_memcpy(const MemcpyArgs& a) {
-  const int T = a.threads > 0 ? a.threads : default_threads();
+  const int T = a.threads > 0 ? a.threads : all_cores();
   const uint64_t n = parse_size(a.bytes, "--bytes");
   auto src = page_aligned(n), dst = page_aligned(n);
   std::memset(src.get(), 1, n);

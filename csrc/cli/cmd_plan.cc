@@ -128,10 +128,9 @@ Command plan_command() {
       oo.step = a->step;
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
       auto ckpt = open_checkpoint(a->path, oo);
-      Layout tl = derive_layout(ckpt->source().layout.model, target,
-                                target_options(ckpt->source().layout.model, &ckpt->source().layout));
-      plan = plan_load(*ckpt, tl, po, &secs);
-      target_layout = std::move(tl);
+      target_layout = derive_layout(ckpt->source().layout.model, target,
+                                    target_options(ckpt->source().layout.model, &ckpt->source().layout));
+      plan = plan_load(*ckpt, target_layout, po, &secs);
       if (!a->no_read_rate) rate = measure_read_rate(*ckpt, uint64_t(64) << 20, &rate_bytes);
     } else {
       if (a->model.empty() || a->source.empty())
@@ -151,15 +150,14 @@ Command plan_command() {
         src.locations.push_back({int32_t(b.rank), at[b.rank]});
         at[b.rank] += uint64_t(b.numel) * dtype_size(b.dtype);
       }
-      Layout tl = derive_layout(m, target, target_options(m, nullptr));
-      plan = make_plan(src, tl, po);
-      target_layout = std::move(tl);
+      target_layout = derive_layout(m, target, target_options(m, nullptr));
+      plan = make_plan(src, target_layout, po);
       secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     // With --json, stdout is the JSON alone: the change in words goes to stderr beside the warnings.
     if (a->json) std::fprintf(stderr, "change: %s\n", plan.change.c_str());
     for (const auto& w : plan.warnings) std::fprintf(stderr, "warning: %s\n", detail::one_line(w).c_str());
-    nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan_summary_json(plan, secs, &target_layout));
+    nlohmann::ordered_json j = nlohmann::ordered_json::parse(plan_summary_json(plan, secs, target_layout));
     const uint64_t read_max = j["read_bytes_per_rank_max"];
     // The busiest reader at the measured rate: ranks of one machine share its storage, so this is
     // a lower bound for them; other machines and cold storage read at their own rates.
@@ -174,7 +172,7 @@ Command plan_command() {
         j["config"] = a->config;
         j["verify"] = verify;
       }
-      std::cout << j.dump() << std::endl;
+      std::cout << j.dump(2) << std::endl;
     } else {
       std::printf("%s -> %s: %s\n", plan.source_topo.to_string().c_str(), plan.target_topo.to_string().c_str(),
                   plan.change.c_str());

@@ -555,7 +555,7 @@ PYBIND11_MODULE(_C, m) {
         {
           py::gil_scoped_release nogil;
           Plan p = plan_load(*c.reader, target, po, &secs);
-          out = plan_summary_json(p, secs, &target);
+          out = plan_summary_json(p, secs, target);
         }
         return out;
       },

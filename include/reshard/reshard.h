@@ -136,10 +136,10 @@ Plan plan_load(const CheckpointReader& checkpoint, const Layout& target, const P
 
 /// JSON summary of a plan, with at least source_world_size, target_world_size, bytes_to_read,
 /// bytes_to_exchange, bytes_needed, target_bytes, peak_staging_bytes_per_rank, num_waves,
-/// num_fragments, plan_seconds, change, notes; with `target` (the layout planned for) also
+/// num_fragments, plan_seconds, change, notes, and from `target` (the layout planned for)
 /// live_bytes_per_rank_max / live_bytes_max_rank (the largest rank's target buffers, bytes),
 /// live_bytes_total (every rank's, i.e. what one process holding the whole target needs) and
 /// read_bytes_per_rank_max / read_bytes_max_rank (the source bytes of the busiest reader).
-std::string plan_summary_json(const Plan& plan, double plan_seconds, const Layout* target = nullptr);
+std::string plan_summary_json(const Plan& plan, double plan_seconds, const Layout& target);
 
 }  // namespace reshard

@@ -38,12 +38,11 @@ TEST(Parallel, EveryIndexOnceOnAtMostTheThreadsAsked) {
 }
 
 TEST(Parallel, TheFirstErrorIsRethrownWithItsTypeAfterEveryThreadFinished) {
-  std::atomic<int> running{0}, after{0};
+  std::atomic<int> running{0};
   try {
     parallel_for(64, 4, [&](size_t i, int) {
       running.fetch_add(1);
       if (i == 5) fail(ErrorCode::kDataLoss, "piece 5 is bad");
-      after.fetch_add(1);
       running.fetch_sub(1);
     });
     FAIL() << "no exception";
@@ -52,7 +51,6 @@ TEST(Parallel, TheFirstErrorIsRethrownWithItsTypeAfterEveryThreadFinished) {
     EXPECT_NE(std::string(e.what()).find("piece 5 is bad"), std::string::npos);
   }
   EXPECT_EQ(running.load(), 1);  // only the failing call did not finish; no thread is still inside
-  EXPECT_LE(after.load(), 63);
   // On one thread the handing out visibly stops at the failure: indices 0-4 ran, none after 5.
   std::vector<size_t> ran;
   EXPECT_THROW(parallel_for(64, 1,
