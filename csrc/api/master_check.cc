@@ -6,6 +6,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "io/parallel.h"
 #include "reshard/consolidate.h"
 #include "reshard/error.h"
 
@@ -228,147 +229,177 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   po.weights_from_master = false;  // compare what is stored, never a weight made from the master
   po.compare_replicas = o.replicas;
   po.replica_policy = o.replicas ? ReplicaPolicy::kError : ReplicaPolicy::kFirst;
-  std::vector<uint8_t> arena;
+  // Batches of tensors in stored order, each as many as fit a worker's share of the budget (at
+  // least one), checked on `threads` workers at once; each worker holds its own arena, so
+  // together they hold at most the budget.
+  const int workers = std::max(1, std::min<int>(o.threads > 0 ? o.threads : default_threads(), int(both.size())));
+  const uint64_t budget = std::max<uint64_t>(1, o.memory_budget / uint64_t(workers));
+  std::vector<std::pair<size_t, size_t>> batches;
+  for (size_t begin = 0; begin < both.size();) {
+    size_t end = begin;
+    uint64_t batch = 0;
+    do batch += bytes[end++];
+    while (end < both.size() && batch + bytes[end] <= budget);
+    batches.emplace_back(begin, end);
+    begin = end;
+  }
+  struct Worker {
+    SourceLayout sub;
+    std::vector<uint8_t> arena;
+    std::vector<uint8_t> rounded;
+    std::vector<float> a, b;
+    uint64_t peak = 0;
+  };
+  struct BatchOut {
+    std::vector<MasterMismatch> mismatches;
+    uint64_t bytes_read = 0;
+    int64_t elements = 0;
+  };
   constexpr size_t kSlab = size_t(1) << 16;
-  std::vector<uint8_t> rounded(kSlab * 8);
-  std::vector<float> a(kSlab), b(kSlab);
-  // One pass: plan the layout `T` (the batch's tensors, or elements [elem_lo, ...) of one
-  // tensor's shards), read it into the arena and compare each tensor's weights with its master;
-  // findings go into acc[k - first][tp rank].
-  std::vector<std::vector<MasterMismatch>> acc;
-  // The source as seen by one batch: its tensors [first, last) and only their pieces, so each
-  // pass plans over those, not over the whole checkpoint (a tensor cut into element ranges is
-  // planned once per range).
-  SourceLayout sub = src;
-  auto select_batch = [&](size_t first, size_t last) {
-    sub.layout.tensors.assign(both.begin() + first, both.begin() + last);
+  std::vector<Worker> pool(static_cast<size_t>(workers));
+  std::vector<BatchOut> results(batches.size());
+  parallel_for(batches.size(), workers, [&](size_t bi, int wi) {
+    Worker& w = pool[size_t(wi)];
+    BatchOut& res = results[bi];
+    if (w.rounded.empty()) {
+      w.sub = src;
+      w.rounded.resize(kSlab * 8);
+      w.a.resize(kSlab);
+      w.b.resize(kSlab);
+    }
+    const size_t first = batches[bi].first, last = batches[bi].second;
+    // The source as seen by this batch: its tensors [first, last) and only their pieces, so
+    // each pass plans over those, not over the whole checkpoint (a tensor cut into element
+    // ranges is planned once per range).
+    SourceLayout& sub = w.sub;
+    sub.layout.tensors.assign(both.begin() + long(first), both.begin() + long(last));
     std::vector<bool> want(S.arrays.size(), false);
     for (size_t k = first; k < last; ++k)
       for (StateKind st : {StateKind::kWeight, StateKind::kMaster}) {
-        const int a = S.find_array(both[k].name, st);
-        if (a >= 0) want[size_t(a)] = true;
+        const int ar = S.find_array(both[k].name, st);
+        if (ar >= 0) want[size_t(ar)] = true;
       }
     sub.layout.pieces.clear();
     for (const Piece& p : S.pieces)
       if (want[size_t(p.array)]) sub.layout.pieces.push_back(p);
-  };
-  auto pass = [&](const Layout& T, size_t first, size_t last, int64_t elem_lo) {
-    // A tensor cut into element ranges has its replica copies compared in its first pass only:
-    // each pass's plan compares the copies whole, so doing it in every pass read them again per
-    // range (a 134 MB replicated tensor at an 8 MiB budget: 118 GB read).
-    PlanOptions pass_po = po;
-    if (elem_lo > 0) {
-      pass_po.compare_replicas = false;
-      pass_po.replica_policy = ReplicaPolicy::kFirst;
-    }
-    const Plan plan = make_plan(sub, T, pass_po);
-    // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
-    // clear each (in a VM several times a copy), which made this check cost seconds per GB.
-    std::vector<size_t> offset_of(T.buffers.size());
-    size_t total = 0;
-    for (size_t i = 0; i < T.buffers.size(); ++i) {
-      offset_of[i] = total;
-      total += (size_t(T.buffers[i].numel) * dtype_size(T.buffers[i].dtype) + 63) / 64 * 64;
-    }
-    if (arena.size() < total) arena.resize(total);
-    out.peak_bytes_held = std::max(out.peak_bytes_held, bytes_held(T));
-    std::memset(arena.data(), 0, total);
-    std::vector<void*> ptrs;
-    std::vector<uint8_t*> mem;
-    for (size_t i = 0; i < T.buffers.size(); ++i) {
-      ptrs.push_back(arena.data() + offset_of[i]);
-      mem.push_back(arena.data() + offset_of[i]);
-    }
-    const std::vector<ReplicaResult> compared = simulate_plan(plan, T, read, ptrs, pass_po.replica_policy, 0.0);
-    out.bytes_read += plan.bytes_to_read;
-    for (const ReplicaResult& c : compared) out.bytes_read += 2 * plan.replica_compares[c.compare].box.numel() *
-                                                               dtype_size(plan.replica_compares[c.compare].authoritative.dtype);
-    for (size_t k = first; k < last; ++k) {
-      const TensorSpec& t = both[k];
-      const DType wd = weight_dtype.at(t.name);
-      // A tensor replicated over tp: every tp rank's shard was filled from the same first copy
-      // (the planner's authoritative one, tp rank 0's), so one comparison says all there is;
-      // copies that differ are the replica check's finding.
-      const bool replicated = t.split == Split::kReplicated && t.reduction == Reduction::kReplicated;
-      for (int r = 0; r < (replicated ? 1 : own.tp); ++r) {
-        const int wb = T.find_buffer(r, std::string(state_kind_name(StateKind::kWeight)) + "/" + t.name);
-        const int mb = T.find_buffer(r, std::string(state_kind_name(StateKind::kMaster)) + "/" + t.name);
-        if (wb < 0 || mb < 0) continue;
-        RESHARD_CHECK(T.buffers[wb].numel == T.buffers[mb].numel, "weight and master shards of ", t.name, " differ in size");
-        MasterMismatch& mm = acc[k - first][size_t(r)];
-        mm.tensor = t.name;
-        mm.tp_rank = r;
-        mm.weight_dtype = wd;
-        mm.compared += T.buffers[wb].numel;
-        mm.replicated = replicated && own.tp > 1;
-        // Slab by slab: the master rounded to the weight's dtype against the stored bytes; where
-        // they differ, value by value (equal values, two zeros and two NaNs agree).
-        const size_t es = dtype_size(wd);
-        const int64_t n_all = T.buffers[wb].numel;
-        for (int64_t at = 0; at < n_all; at += int64_t(kSlab)) {
-          const size_t n = size_t(std::min<int64_t>(int64_t(kSlab), n_all - at));
-          const float* master = reinterpret_cast<const float*>(mem[mb]) + at;
-          const uint8_t* weight = mem[wb] + size_t(at) * es;
-          convert_elements(master, DType::F32, rounded.data(), wd, n);
-          if (std::memcmp(rounded.data(), weight, n * es) == 0) continue;
-          convert_elements(rounded.data(), wd, b.data(), DType::F32, n);
-          convert_elements(weight, wd, a.data(), DType::F32, n);
-          for (size_t i = 0; i < n; ++i) {
-            if (a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) continue;
-            if (mm.differing++ == 0) {
-              mm.first = index_text(elem_lo + at + int64_t(i), tp_shard(t, S.model, own.tp, r).local_shape);
-              mm.weight = a[i];
-              mm.master = master[i];
+    // findings per tensor of the batch and tp rank, reported once every pass over them is done
+    std::vector<std::vector<MasterMismatch>> acc(last - first, std::vector<MasterMismatch>(size_t(own.tp)));
+    // One pass: plan the layout `T` (the batch's tensors, or elements [elem_lo, ...) of one
+    // tensor's shards), read it into the arena and compare each tensor's weights with its master.
+    auto pass = [&](const Layout& T, int64_t elem_lo) {
+      // A tensor cut into element ranges has its replica copies compared in its first pass only:
+      // each pass's plan compares the copies whole, so doing it in every pass read them again per
+      // range (a 134 MB replicated tensor at an 8 MiB budget: 118 GB read).
+      PlanOptions pass_po = po;
+      if (elem_lo > 0) {
+        pass_po.compare_replicas = false;
+        pass_po.replica_policy = ReplicaPolicy::kFirst;
+      }
+      const Plan plan = make_plan(sub, T, pass_po);
+      // The batch's buffers in one arena reused by every batch: fresh pages cost a fault and a
+      // clear each (in a VM several times a copy), which made this check cost seconds per GB.
+      // No clearing: make_plan refuses a target element no stored piece covers, so the plan
+      // writes every byte of T's buffers (clearing them cost a tenth of `reshard verify`).
+      std::vector<size_t> offset_of(T.buffers.size());
+      size_t total = 0;
+      for (size_t i = 0; i < T.buffers.size(); ++i) {
+        offset_of[i] = total;
+        total += (size_t(T.buffers[i].numel) * dtype_size(T.buffers[i].dtype) + 63) / 64 * 64;
+      }
+      if (w.arena.size() < total) w.arena.resize(total);
+      w.peak = std::max(w.peak, bytes_held(T));
+      std::vector<void*> ptrs;
+      std::vector<uint8_t*> mem;
+      for (size_t i = 0; i < T.buffers.size(); ++i) {
+        ptrs.push_back(w.arena.data() + offset_of[i]);
+        mem.push_back(w.arena.data() + offset_of[i]);
+      }
+      const std::vector<ReplicaResult> compared = simulate_plan(plan, T, read, ptrs, pass_po.replica_policy, 0.0);
+      res.bytes_read += plan.bytes_to_read;
+      for (const ReplicaResult& c : compared)
+        res.bytes_read += 2 * plan.replica_compares[c.compare].box.numel() *
+                          dtype_size(plan.replica_compares[c.compare].authoritative.dtype);
+      for (size_t k = first; k < last; ++k) {
+        const TensorSpec& t = both[k];
+        const DType wd = weight_dtype.at(t.name);
+        // A tensor replicated over tp: every tp rank's shard was filled from the same first copy
+        // (the planner's authoritative one, tp rank 0's), so one comparison says all there is;
+        // copies that differ are the replica check's finding.
+        const bool replicated = t.split == Split::kReplicated && t.reduction == Reduction::kReplicated;
+        for (int r = 0; r < (replicated ? 1 : own.tp); ++r) {
+          const int wb = T.find_buffer(r, std::string(state_kind_name(StateKind::kWeight)) + "/" + t.name);
+          const int mb = T.find_buffer(r, std::string(state_kind_name(StateKind::kMaster)) + "/" + t.name);
+          if (wb < 0 || mb < 0) continue;
+          RESHARD_CHECK(T.buffers[wb].numel == T.buffers[mb].numel, "weight and master shards of ", t.name, " differ in size");
+          MasterMismatch& mm = acc[k - first][size_t(r)];
+          mm.tensor = t.name;
+          mm.tp_rank = r;
+          mm.weight_dtype = wd;
+          mm.compared += T.buffers[wb].numel;
+          mm.replicated = replicated && own.tp > 1;
+          // Slab by slab: the master rounded to the weight's dtype against the stored bytes;
+          // where they differ, value by value (equal values, two zeros and two NaNs agree).
+          const size_t es = dtype_size(wd);
+          const int64_t n_all = T.buffers[wb].numel;
+          for (int64_t at = 0; at < n_all; at += int64_t(kSlab)) {
+            const size_t n = size_t(std::min<int64_t>(int64_t(kSlab), n_all - at));
+            const float* master = reinterpret_cast<const float*>(mem[mb]) + at;
+            const uint8_t* weight = mem[wb] + size_t(at) * es;
+            convert_elements(master, DType::F32, w.rounded.data(), wd, n);
+            if (std::memcmp(w.rounded.data(), weight, n * es) == 0) continue;
+            convert_elements(w.rounded.data(), wd, w.b.data(), DType::F32, n);
+            convert_elements(weight, wd, w.a.data(), DType::F32, n);
+            for (size_t i = 0; i < n; ++i) {
+              if (w.a[i] == w.b[i] || (std::isnan(w.a[i]) && std::isnan(w.b[i]))) continue;
+              if (mm.differing++ == 0) {
+                mm.first = index_text(elem_lo + at + int64_t(i), tp_shard(t, S.model, own.tp, r).local_shape);
+                mm.weight = w.a[i];
+                mm.master = master[i];
+              }
             }
           }
+          res.elements += T.buffers[wb].numel;
         }
-        out.elements_checked += T.buffers[wb].numel;
+      }
+    };
+    {
+      const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
+      if (last - first > 1 || bytes_held(T) <= budget || !cuttable(T, both[first].name)) {
+        pass(T, 0);
+      } else {
+        // One tensor larger than the budget (an embedding, a fused SwiGLU or QKV matrix): its
+        // shards' elements a range at a time, so the arena stays within the budget. The ranges
+        // cut the stored order, whatever the tensor's dims (a row, a half or a query group).
+        int64_t n = 0;
+        uint64_t element_bytes = 0;  // one element of every buffer of the tensor
+        for (const Buffer& buf : T.buffers) {
+          n = std::max(n, buf.numel);
+          element_bytes += dtype_size(buf.dtype);
+        }
+        const int64_t step = std::max<int64_t>(1, int64_t(budget / element_bytes));
+        for (int64_t lo_el = 0; lo_el < n; lo_el += step) {
+          Layout part_of = T;
+          keep_elements(part_of, both[first].name, lo_el, std::min(n, lo_el + step));
+          pass(part_of, lo_el);
+        }
       }
     }
-  };
-  // The findings of tensors [first, last), once every pass over them is done.
-  auto report = [&](size_t first, size_t last) {
-    for (size_t k = first; k < last; ++k) {
+    for (size_t k = first; k < last; ++k)
       for (MasterMismatch& mm : acc[k - first]) {
         if (!mm.differing) continue;
         mm.weight_files = files_holding(src, S.find_array(mm.tensor, StateKind::kWeight), mm.tp_rank);
         mm.master_files = files_holding(src, S.find_array(mm.tensor, StateKind::kMaster), mm.tp_rank);
-        out.mismatches.push_back(std::move(mm));
+        res.mismatches.push_back(std::move(mm));
       }
-      ++out.tensors_checked;
-    }
-  };
-  for (size_t begin = 0; begin < both.size();) {
-    // Tensors in stored order, as many as fit the budget (at least one).
-    size_t end = begin;
-    uint64_t batch = 0;
-    do batch += bytes[end++];
-    while (end < both.size() && batch + bytes[end] <= o.memory_budget);
-    select_batch(begin, end);
-    const Layout T = weights_and_masters(layout_like(sub, own, lo), weight_dtype);
-    acc.assign(end - begin, std::vector<MasterMismatch>(size_t(own.tp)));
-    if (end - begin > 1 || bytes_held(T) <= o.memory_budget || !cuttable(T, both[begin].name)) {
-      pass(T, begin, end, 0);
-    } else {
-      // One tensor larger than the budget (an embedding, a fused SwiGLU or QKV matrix): its
-      // shards' elements a range at a time, so the arena stays within the budget. The ranges
-      // cut the stored order, whatever the tensor's dims (a row, a half or a query group).
-      int64_t n = 0;
-      uint64_t element_bytes = 0;  // one element of every buffer of the tensor
-      for (const Buffer& buf : T.buffers) {
-        n = std::max(n, buf.numel);
-        element_bytes += dtype_size(buf.dtype);
-      }
-      const int64_t step = std::max<int64_t>(1, int64_t(o.memory_budget / element_bytes));
-      for (int64_t lo_el = 0; lo_el < n; lo_el += step) {
-        Layout part_of = T;
-        keep_elements(part_of, both[begin].name, lo_el, std::min(n, lo_el + step));
-        pass(part_of, begin, end, lo_el);
-      }
-    }
-    report(begin, end);
-    begin = end;
+  });
+  // In stored order, as one thread would have found them (a failure was rethrown above).
+  for (size_t bi = 0; bi < batches.size(); ++bi) {
+    out.bytes_read += results[bi].bytes_read;
+    out.elements_checked += results[bi].elements;
+    out.tensors_checked += int64_t(batches[bi].second - batches[bi].first);
+    for (MasterMismatch& mm : results[bi].mismatches) out.mismatches.push_back(std::move(mm));
   }
+  for (const Worker& w : pool) out.peak_bytes_held += w.peak;
   return out;
 }
 

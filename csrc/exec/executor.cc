@@ -352,6 +352,7 @@ std::vector<std::string> run_preflight(const Plan& plan, const Layout& target, c
         mo.part = me;
         mo.parts = W;
         mo.replicas = false;
+        mo.threads = io_threads;
         mo.memory_budget = std::min(mo.memory_budget, memory_budget);
         const MasterCheck mc = check_weights_against_master(source, mo);
         stats->verify_bytes_read += mc.bytes_read;

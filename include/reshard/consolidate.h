@@ -133,8 +133,11 @@ struct MasterCheck {
 /// copies of a replicated weight or master differ. Used by `reshard verify`, by loads with
 /// verify="full" and by `convert --verify full`.
 struct MasterCheckOptions {
-  /// Bytes of weights and masters held at a time (one buffer reused batch after batch).
+  /// Bytes of weights and masters held at a time, over all threads (each thread reuses one
+  /// buffer of its share batch after batch).
   uint64_t memory_budget = uint64_t(64) << 20;
+  /// Threads comparing batches of tensors at once: 0 for default_threads() (io/parallel.h).
+  int threads = 0;
   /// Only the k-th tensor with both stored where k % parts == part (in the checkpoint's tensor
   /// order), so the ranks of a load share the work.
   int part = 0, parts = 1;

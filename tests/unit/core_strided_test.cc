@@ -280,5 +280,37 @@ TEST(Convert, FiniteValuesThatDoNotFitAreRefusedNotTurnedIntoInf) {
   EXPECT_EQ(to(1.0e-30, DType::F64, DType::F16), 0u);  // below the smallest subnormal: zero, as torch
 }
 
+
+// The vectorised fp32 -> bf16 loop rounds every bit pattern as the per-element rule does
+// (nearest even; NaN stays a quiet NaN with its sign; inf stays inf), whole arrays at a time,
+// and still refuses a finite value that rounds to inf anywhere in a long array.
+TEST(Convert, Fp32ToBf16ArraysRoundLikeTheOneElementRule) {
+  auto one = [](uint32_t u) {  // the rule, element by element
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  };
+  std::vector<uint32_t> words = {0u,          0x80000000u, 0x3f800000u, 0x3f808000u, 0x3f818000u, 0x3f807fffu,
+                                 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x00000001u,
+                                 0x00008000u, 0x00018000u, 0x7f7f7fffu, 0xff7f7fffu};
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  while (words.size() < 100003) {  // an odd length: the vector loop's tail too
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    const uint32_t w = uint32_t(x >> 32);
+    // Keep finite values that round to inf out of this array (they are refused, below).
+    if ((w & 0x7fffffffu) >= 0x7f7f8000u && (w & 0x7fffffffu) < 0x7f800000u) continue;
+    words.push_back(w);
+  }
+  std::vector<uint16_t> got(words.size());
+  convert_elements(words.data(), DType::F32, got.data(), DType::BF16, words.size());
+  for (size_t i = 0; i < words.size(); ++i) ASSERT_EQ(got[i], one(words[i])) << "word " << std::hex << words[i];
+  words[words.size() / 2] = 0x7f7fffffu;  // FLT_MAX rounds to inf: refused
+  try {
+    convert_elements(words.data(), DType::F32, got.data(), DType::BF16, words.size());
+    ADD_FAILURE() << "FLT_MAX inside an array was converted to inf";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not fit in BF16"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace reshard
