@@ -309,11 +309,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
       if (w.arena.size() < total) w.arena.resize(total);
       w.peak = std::max(w.peak, bytes_held(T));
       std::vector<void*> ptrs;
-      std::vector<uint8_t*> mem;
-      for (size_t i = 0; i < T.buffers.size(); ++i) {
-        ptrs.push_back(w.arena.data() + offset_of[i]);
-        mem.push_back(w.arena.data() + offset_of[i]);
-      }
+      for (size_t i = 0; i < T.buffers.size(); ++i) ptrs.push_back(w.arena.data() + offset_of[i]);
       const std::vector<ReplicaResult> compared = simulate_plan(plan, T, read, ptrs, pass_po.replica_policy, 0.0);
       res.bytes_read += plan.bytes_to_read;
       for (const ReplicaResult& c : compared)
@@ -343,8 +339,8 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
           const int64_t n_all = T.buffers[wb].numel;
           for (int64_t at = 0; at < n_all; at += int64_t(kSlab)) {
             const size_t n = size_t(std::min<int64_t>(int64_t(kSlab), n_all - at));
-            const float* master = reinterpret_cast<const float*>(mem[mb]) + at;
-            const uint8_t* weight = mem[wb] + size_t(at) * es;
+            const float* master = static_cast<const float*>(ptrs[size_t(mb)]) + at;
+            const uint8_t* weight = static_cast<const uint8_t*>(ptrs[size_t(wb)]) + size_t(at) * es;
             convert_elements(master, DType::F32, w.rounded.data(), wd, n);
             if (std::memcmp(w.rounded.data(), weight, n * es) == 0) continue;
             convert_elements(w.rounded.data(), wd, w.b.data(), DType::F32, n);

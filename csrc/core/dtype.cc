@@ -221,18 +221,14 @@ void convert_elements(const void* src, DType from, void* dst, DType to, size_t n
   }
   uint16_t* d = static_cast<uint16_t*>(dst);
   if (to == DType::BF16 && from == DType::F32) {
-    // The common case (a master rounded to its weight's dtype): one branch-free loop the
-    // compiler vectorises, with the same rounding as f32_to_bf16, and the overflow check folded
-    // into one flag; only when it is set does the loop below find the value to name.
-    const uint32_t* s = static_cast<const uint32_t*>(src);
+    // The common case (a master rounded to its weight's dtype): a loop with no call or switch in
+    // it, which the compiler vectorises, and the overflow check folded into one flag; only when
+    // it is set does the loop below find the value to name.
+    const float* s = static_cast<const float*>(src);
     uint32_t overflowed = 0;
     for (size_t i = 0; i < n; ++i) {
-      const uint32_t u = s[i];
-      const uint32_t absu = u & 0x7fffffffu;
-      const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-      const uint32_t out = absu > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded;
-      d[i] = uint16_t(out);
-      overflowed |= uint32_t((out & 0x7fffu) == 0x7f80u) & uint32_t(absu < 0x7f800000u);
+      d[i] = f32_to_bf16(s[i]);
+      overflowed |= uint32_t((d[i] & 0x7fffu) == 0x7f80u) & uint32_t(std::isfinite(s[i]));
     }
     if (!overflowed) return;
   }
