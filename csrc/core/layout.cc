@@ -610,8 +610,24 @@ Layout build_layout(const ModelConfig& cfg, const Topology& topo, const LayoutRe
         }
       }
       if (topo.zero >= 1) L.flat_groups[slot] = groups;
+      const size_t slot_first_piece = L.pieces.size(), slot_first_buffer = L.buffers.size();
 
       for (int d = 0; d < dp; ++d) {
+        // When the vector must grow: room for this slot's other dp ranks and the later slots,
+        // each as many pieces as this slot's first dp rank added. Growing by doubling copied and
+        // faulted in twice the final size (a fifth of a 16,384-rank plan's time).
+        if (d == 1) {
+          const size_t slots_after = size_t(topo.pp) * size_t(topo.tp) - slot - 1;
+          auto grow = [&](auto& v, size_t first) {
+            const size_t per_rank = v.size() - first;
+            const size_t more = per_rank * size_t(dp - 1);
+            if (v.capacity() >= v.size() + more) return;
+            const size_t later = per_rank * size_t(dp) * slots_after;
+            v.reserve(v.size() + more + later + (more + later) / 16);
+          };
+          grow(L.pieces, slot_first_piece);
+          grow(L.buffers, slot_first_buffer);
+        }
         const int rank = topo.rank_of(p, d, t);
         const bool replica_ok = !opt.weights_on_dp0_only || d == 0;
         // 16-bit weights.
