@@ -46,4 +46,6 @@ BENCHMARK_CAPTURE(plan_case, gpt3_175b_1024_to_1024, "gpt3-175b.yaml", "tp=8,pp=
     ->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK_CAPTURE(plan_case, llama2_70b_64_to_128, "llama2-70b.yaml", "tp=8,pp=4,dp=2,zero=1", "tp=4,pp=4,dp=8,zero=1")
     ->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(plan_case, llama2_70b_8192_to_16384, "llama2-70b.yaml", "tp=8,pp=8,dp=64,zero=1", "tp=8,pp=16,dp=128,zero=1")
+    ->Unit(benchmark::kMillisecond)->Iterations(1);
 BENCHMARK_MAIN();

@@ -475,13 +475,14 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   std::vector<int32_t> own_array;       // their source array
   std::vector<std::string> gaps;
   size_t n_gaps = 0;
+  std::vector<Box> hits;  // boxes of the current target piece found so far (reused: no malloc per piece)
   for (const Piece& tp : target.pieces) {
     int sa = src_of[tp.array];
     if (sa < 0) continue;
     const auto& au = si.auth[sa];
     const Buffer& tb = target.buffers[tp.buffer];
     int64_t covered = 0;
-    std::vector<Box> hits;
+    hits.clear();
     auto add_need = [&](int32_t src_id, const Box& x) {
       Need n;
       n.src = src_id;
@@ -730,6 +731,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     bool operator==(const SplitRange& o) const { return file == o.file && base == o.base && bytes == o.bytes; }
   };
   std::map<std::pair<int32_t, uint64_t>, std::pair<uint64_t, std::vector<SplitRange>>> split_ranges;  // auth (file, base) -> (bytes, ranges)
+  std::vector<int32_t> rk;  // receiving ranks of the proto being cut (reused)
   std::function<void(Proto&&, bool)> split = [&](Proto&& p, bool top) {
     const SrcPiece& sp = src_piece(p.src);
     const uint64_t es = dtype_size(sp.dtype);
@@ -737,9 +739,9 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     // The reader holds the packed box plus one send copy per other receiving rank. With
     // node-local reads only receivers on other machines than the reader's get a send copy (the
     // others read their own); the reader is not chosen yet, so count the worst receiver.
-    std::vector<int32_t> rk;
+    rk.clear();
     for (const auto& d : p.dst) rk.push_back(d.rank);
-    std::sort(rk.begin(), rk.end());
+    if (!std::is_sorted(rk.begin(), rk.end())) std::sort(rk.begin(), rk.end());  // mostly in rank order already
     rk.erase(std::unique(rk.begin(), rk.end()), rk.end());
     uint64_t copies = uint64_t(rk.size()) + 1;
     if (node_local) {
@@ -837,6 +839,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     plan.deliveries.reserve(deliveries);
   }
   std::vector<Proto> siblings;  // node-local re-reads split off below, placed after `cut`
+  std::vector<int32_t> remote;  // receivers of the current fragment other than its reader (reused)
   if (node_local) {
     // Never reallocated inside the loop (it holds a reference into it): a sibling per delivery at most.
     size_t most = 0;
@@ -847,9 +850,10 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     const bool sibling = ci >= cut.size();
     Proto& p = sibling ? siblings[ci - cut.size()] : cut[ci];
     const SrcPiece& sp = src_piece(p.src);
-    std::sort(p.dst.begin(), p.dst.end(), [](const Delivery& a, const Delivery& b) {
+    auto by_place = [](const Delivery& a, const Delivery& b) {
       return a.rank != b.rank ? a.rank < b.rank : (a.buffer != b.buffer ? a.buffer < b.buffer : a.base < b.base);
-    });
+    };
+    if (!std::is_sorted(p.dst.begin(), p.dst.end(), by_place)) std::sort(p.dst.begin(), p.dst.end(), by_place);
     Fragment f;
     f.array = p.array;
     f.box = p.box;
@@ -899,7 +903,7 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     f.reread_on_node = sibling;
     f.reader = reader;
     // Ranks and bytes this fragment adds to a wave.
-    std::vector<int32_t> remote;
+    remote.clear();
     for (const auto& d : p.dst)
       if (d.rank != reader && (remote.empty() || remote.back() != d.rank)) remote.push_back(d.rank);
     int w = 0;
@@ -918,10 +922,8 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     f.wave = w;
     plan.ranks[reader].bytes_read += bytes + replica_bytes;
     plan.bytes_to_read += bytes + replica_bytes;
-    std::vector<int32_t> seen;
-    for (const auto& d : p.dst) {
-      plan.target_bytes += uint64_t(f.box.numel()) * dtype_size(target.buffers[d.buffer].dtype);
-    }
+    const uint64_t numel = uint64_t(f.box.numel());
+    for (const auto& d : p.dst) plan.target_bytes += numel * dtype_size(target.buffers[d.buffer].dtype);
     for (int32_t r : remote) {
       plan.ranks[reader].bytes_sent += bytes;
       plan.ranks[r].bytes_received += bytes;
