@@ -198,6 +198,34 @@ struct Plan {
 ///    vocab padding rows, a memory budget below kMinMemoryBudget.
 Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptions& options = {});
 
+/// What a plan moves per wave between machines and from storage, for a time estimate. A machine
+/// is a set of ranks with one rank_node id (PlanOptions::rank_node; empty: every rank alone).
+/// Bytes a fragment's reader sends to a rank on another machine cross both machines' links
+/// (counted once out of the reader's machine and once into the receiver's); ranks of one machine
+/// exchange through its memory and cost no link bytes. A node-local re-read
+/// (Fragment::reread_on_node) comes from the page cache and counts as no storage read.
+struct WaveTraffic {
+  uint64_t max_link_bytes = 0;  // busiest machine link, max over machines of max(bytes out, bytes in)
+  uint64_t max_read_bytes = 0;  // busiest machine's bytes read from storage
+  int32_t link_machine = 0;     // the machine with the busiest link (the lowest id among equals)
+};
+struct TrafficModel {
+  std::vector<WaveTraffic> waves;      // one per wave, in wave order
+  uint64_t bytes_between_machines = 0;  // all waves, every byte sent from one machine to another
+  int num_machines = 0;
+  /// Seconds at the given rates, waves one after the other (a wave's exchange waits for its
+  /// reads): the sum over waves of each wave's busiest link (or busiest machine's reads) divided
+  /// by the rate. A model, not a measurement: no latency, no congestion beyond one link.
+  double exchange_seconds = 0.0;
+  double read_seconds = 0.0;
+};
+/// The traffic of `plan` (rank_node as in PlanOptions: one entry per target rank, or empty) at
+/// `link_bytes_per_second` per machine and direction and `read_bytes_per_second` per machine.
+/// Throws kInvalidArgument when rank_node has another length than plan.world_size or a rate is
+/// not positive.
+TrafficModel model_traffic(const Plan& plan, const std::vector<int32_t>& rank_node, double link_bytes_per_second,
+                           double read_bytes_per_second);
+
 /// The vocab_divisible_by d for which Megatron's padding of `vocab` at tensor parallel `tp`,
 /// ceil(vocab / (d * tp)) * d * tp, equals `rows`: the largest power of two that does, else the
 /// smallest d that does; 0 when none does (rows < vocab, or rows not a multiple of tp).

@@ -533,5 +533,92 @@ TEST(PlannerProperty, MemoryBudgetBoundsEveryWave) {
   }
 }
 
+// A hand-made two-wave plan over three machines (rank_node ids 7, 9 and 4): every figure below
+// is worked out by hand in the comments.
+TEST(TrafficModel, CountsLinkAndStorageBytesPerWaveByHand) {
+  Plan p;
+  p.world_size = 5;
+  p.num_waves = 2;
+  auto add = [&p](int wave, int reader, int64_t f32_elements, std::vector<int32_t> ranks, bool reread = false) {
+    Fragment f;
+    f.box.ndim = 1;
+    f.box.len[0] = f32_elements;
+    f.src_dtype = DType::F32;
+    f.reader = reader;
+    f.wave = wave;
+    f.reread_on_node = reread;
+    f.first_delivery = uint32_t(p.deliveries.size());
+    f.num_deliveries = uint32_t(ranks.size());
+    for (int32_t r : ranks) p.deliveries.push_back(Delivery{r, 0, 0, {}});
+    p.fragments.push_back(f);
+  };
+  // wave 0: 100 bytes read on machine 7, sent to ranks 2 and 3 (machine 9): 200 out of 7, 200
+  // into 9; 40 bytes read on machine 9 and sent to rank 0: 40 out of 9, 40 into 7.
+  add(0, 0, 25, {0, 1, 2, 3});
+  add(0, 2, 10, {0});
+  // wave 1: a node-local re-read (no storage, no link); 60 bytes read by rank 1 (machine 7),
+  // delivered to rank 3 twice (two buffers: one send) and to rank 4 (machine 4): 120 out of 7.
+  add(1, 3, 20, {3}, true);
+  add(1, 1, 15, {1, 3, 3, 4});
+  const std::vector<int32_t> node = {7, 7, 9, 9, 4};
+  const TrafficModel t = model_traffic(p, node, 100.0, 20.0);
+  ASSERT_EQ(t.waves.size(), 2u);
+  EXPECT_EQ(t.num_machines, 3);
+  EXPECT_EQ(t.waves[0].max_link_bytes, 200u);
+  EXPECT_EQ(t.waves[0].link_machine, 0);  // machines 7 and 9 tie at 200: the first one
+  EXPECT_EQ(t.waves[0].max_read_bytes, 100u);
+  EXPECT_EQ(t.waves[1].max_link_bytes, 120u);
+  EXPECT_EQ(t.waves[1].max_read_bytes, 60u);
+  EXPECT_EQ(t.bytes_between_machines, 360u);
+  EXPECT_DOUBLE_EQ(t.exchange_seconds, 200.0 / 100 + 120.0 / 100);
+  EXPECT_DOUBLE_EQ(t.read_seconds, 100.0 / 20 + 60.0 / 20);
+
+  // Every rank its own machine: rank 0 sends 100 bytes to each of ranks 1, 2 and 3.
+  const TrafficModel alone = model_traffic(p, {}, 100.0, 20.0);
+  EXPECT_EQ(alone.num_machines, 5);
+  EXPECT_EQ(alone.waves[0].max_link_bytes, 300u);
+  EXPECT_EQ(alone.bytes_between_machines, 300u + 40u + 60u + 60u);
+
+  auto expect_invalid = [](const std::string& needle, auto fn) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected: " << needle;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_invalid("rank_node has 2 entries for 5 target ranks", [&] { model_traffic(p, {0, 1}, 1.0, 1.0); });
+  expect_invalid("rates must be positive", [&] { model_traffic(p, node, 0.0, 1.0); });
+}
+
+// On a planned layout change the model's bytes between machines are the plan's own counts: every
+// exchanged byte when each rank is its own machine, none when all share one.
+TEST(TrafficModel, AgreesWithThePlansExchangeCounts) {
+  ModelConfig m = gpt("small", 4, 64, 256, 1000);
+  Topology a = Topology::parse("tp=2,pp=2,dp=1,zero=1"), b = Topology::parse("tp=1,pp=1,dp=4,zero=1");
+  DeriveOptions so;
+  so.weights_on_dp0_only = true;
+  Layout A = derive_layout(m, a, so), B = derive_layout(m, b);
+  MemCheckpoint ma(A);
+  PlanOptions po;
+  po.memory_budget = kMinMemoryBudget;  // several waves
+  const Plan p = make_plan(ma.as_source(A), B, po);
+  ASSERT_GT(p.num_waves, 1);
+  ASSERT_GT(p.bytes_to_exchange, 0u);
+  const TrafficModel own = model_traffic(p, {}, 1e9, 1e9);
+  EXPECT_EQ(own.bytes_between_machines, p.bytes_to_exchange);
+  uint64_t read = 0;
+  for (const WaveTraffic& w : own.waves) read += w.max_read_bytes;
+  EXPECT_LE(read, p.bytes_to_read);
+  EXPECT_GT(read, 0u);
+  const TrafficModel one = model_traffic(p, std::vector<int32_t>(size_t(p.world_size), 0), 1e9, 1e9);
+  EXPECT_EQ(one.bytes_between_machines, 0u);
+  EXPECT_EQ(one.exchange_seconds, 0.0);
+  uint64_t one_read = 0;
+  for (const WaveTraffic& w : one.waves) one_read += w.max_read_bytes;
+  EXPECT_EQ(one_read, p.bytes_to_read);  // one machine reads everything (no re-reads without rank_node)
+}
+
 }  // namespace
 }  // namespace reshard
