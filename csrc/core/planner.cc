@@ -1008,8 +1008,8 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   }
 
   // Replica comparisons: only for arrays the target uses; checker ranks round-robin by bytes.
-  // (load, rank), least loaded first and the lowest rank among equals: a scan over every rank
-  // per comparison cost 0.4 s of a 16,384-rank plan.
+  // (load, rank), least loaded first and the lowest rank among equals: no scan over every rank
+  // per comparison (16,384 ranks at scale).
   using Load = std::pair<uint64_t, int32_t>;
   std::priority_queue<Load, std::vector<Load>, std::greater<Load>> check_load;
   for (int32_t r = 0; r < W; ++r) check_load.push({0, r});
