@@ -831,7 +831,6 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
     }
   }
   std::vector<std::vector<uint64_t>> wave_use;  // [wave][rank]
-  std::vector<uint64_t> wave_hint_unused;
   plan.fragments.reserve(cut.size());
   {
     size_t deliveries = 0;  // a sibling takes its deliveries from its fragment: the sum stays
