@@ -46,6 +46,7 @@ void plan_case(benchmark::State& state, const char* model, const char* src, cons
     auto p = reshard::make_plan(s, t, po);
     benchmark::DoNotOptimize(p.fragments.data());
     state.counters["fragments"] = double(p.fragments.size());
+    state.counters["deliveries"] = double(p.deliveries.size());
     state.counters["waves"] = p.num_waves;
     state.counters["GB_read"] = p.bytes_to_read / 1e9;
     state.counters["GB_exchanged"] = p.bytes_to_exchange / 1e9;
