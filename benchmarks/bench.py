@@ -12,7 +12,8 @@
    preallocated buffer as large as the data; warm and cold), read_small_buffer (a small reused
    buffer, information only), memcpy_ceiling.
 3. Loads under several target layouts: reshard (`reshard bench load` under mpirun -np K; from the
-   native files, and from the DeepSpeed files when the reader can open them), DCP's own load with
+   native files, and from the DeepSpeed files when the reader can open them; system "reshard" is
+   `--verify free`, "reshard_verify_full" the library's default `--verify full`), DCP's own load with
    resharding, DeepSpeed Universal Checkpointing (ds_to_universal + universal load; time to resume
    includes the conversion). A ZeRO-3 case (--zero3, default dp=4 -> dp=2, which DeepSpeed's own
    load refuses): the plain DeepSpeedEngine saves, reshard loads from its files, UCP converts and
@@ -327,6 +328,8 @@ class Bench:
         repeat = repeat or (self.a.repeat if cache == "warm" else self.a.cold_repeat)
         cmd = mpirun(K) + [self.bin, "bench", "load", path, "--target", target, "--repeat", str(repeat),
                            "--memory-budget", self.a.memory_budget] + list(extra)
+        if "--verify" not in extra:  # "reshard", nodedup, one-read-per-job: the fast mode, named
+            cmd += ["--verify", "free"]  # (the library's default, "full", is the reshard_verify_full row)
         if fmt.startswith("deepspeed"):
             cmd += ["--model", self.model_yaml]
         if cache == "cold":

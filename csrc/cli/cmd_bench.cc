@@ -150,7 +150,7 @@ double median(std::vector<double> v) {
 
 // ---------------------------------------------------------------------------------------------
 struct LoadArgs {
-  std::string path, target, model, budget = "1GiB", verify = "free", label;
+  std::string path, target, model, budget = "1GiB", verify = kDefaultVerify, label;
   int repeat = 1, io_threads = 4;
   bool cold = false, no_dedup = false, one_read_per_job = false;
 };
@@ -409,7 +409,7 @@ Command bench_command() {
     l->add_option("--repeat", la->repeat, "Loads to time (default 1)")->check(CLI::Range(1, 1 << 20));
     l->add_option("--io-threads", la->io_threads, "Read threads per rank (default 4)");
     l->add_option("--memory-budget", la->budget, "Per-rank staging budget per wave (default 1GiB)");
-    l->add_option("--verify", la->verify, "Checksum checks while loading: off, free or full (default free; see LoadOptions::verify)")
+    l->add_option("--verify", la->verify, std::string("Checksum checks while loading: off, free or full (default ") + kDefaultVerify + "; see LoadOptions::verify)")
         ->check(CLI::IsMember({"off", "free", "full"}));
     l->add_option("--label", la->label, "Free text copied into the output");
     l->add_flag("--cold", la->cold, "Evict the step folder's files (data and metadata) from the page cache before each load");

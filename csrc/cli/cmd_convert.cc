@@ -39,7 +39,7 @@ namespace reshard::cli {
 namespace {
 struct ConvertArgs {
   std::string config;
-  std::string in, out, target, budget, step, source_step, model, verify = "full", qkv_order;
+  std::string in, out, target, budget, step, source_step, model, verify = kDefaultVerify, qkv_order;
   std::string vocab_padding = "warn";
   int vocab_divisible_by = 0;      // --target-vocab-divisible-by; 0: the source's
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
@@ -214,8 +214,9 @@ Command convert_command() {
                   "padding rows, default) or refuse")
         ->check(CLI::IsMember({"warn", "refuse"}));
     s->add_option("--verify", a->verify,
-                  "Source checksum checks before writing: full (every stored piece / DeepSpeed record, default), "
-                  "free (only what is read as whole pieces / records; a warning says how much), off")
+                  std::string("Source checksum checks before writing: full (every stored piece / DeepSpeed record), "
+                              "free (only what is read as whole pieces / records; a warning says how much), off; "
+                              "default ") + kDefaultVerify + " (LoadOptions::verify)")
         ->check(CLI::IsMember({"full", "free", "off"}));
     s->add_flag("--no-dedup", a->no_dedup, "Each rank reads what it needs (no fan-out)");
     s->add_flag("--json", a->json, "Print one JSON object (what was written, the load report) instead of text");
@@ -235,7 +236,7 @@ Command convert_command() {
           "convert", a->config,
           {{!a->target.empty(), "--target"}, {!a->source_step.empty(), "--step"}, {!a->model.empty(), "--model"},
            {!a->budget.empty(), "--memory-budget"}, {a->no_dedup, "--no-dedup"},
-           {a->vocab_padding != "warn", "--vocab-padding"}, {a->verify != "full", "--verify"}});
+           {a->vocab_padding != "warn", "--vocab-padding"}, {a->verify != kDefaultVerify, "--verify"}});
       a->in = rc.checkpoint;
       a->source_step = rc.step;
       a->model = rc.model;

@@ -162,7 +162,7 @@ ResumeConfig load_resume_config(const std::string& path) {
   }
   if (rc.checkpoint.empty()) fail(ErrorCode::kInvalidArgument, path, ": field checkpoint.root is missing");
   rc.model = get<std::string>(n, "model", path, "");
-  rc.verify = get<std::string>(n, "verify", path, "free");
+  rc.verify = get<std::string>(n, "verify", path, kDefaultVerify);
   if (rc.verify != "free" && rc.verify != "full" && rc.verify != "off")
     fail(ErrorCode::kInvalidArgument, path, ": field verify is '", rc.verify, "'; expected free, full or off");
   try {

@@ -374,6 +374,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace reshard::python;
   m.doc() = "reshard native extension; use the `reshard` package, not this module directly.";
   register_errors(m);
+  m.attr("DEFAULT_VERIFY") = py::str(kDefaultVerify);
   register_torch_comm(m);
 
   py::class_<ModelConfig>(m, "ModelConfig")

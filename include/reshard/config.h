@@ -6,6 +6,7 @@
 
 #include "reshard/model.h"
 #include "reshard/plan.h"
+#include "reshard/reshard.h"
 #include "reshard/topology.h"
 
 namespace reshard {
@@ -26,9 +27,9 @@ struct ResumeConfig {
   std::string model;          // model file ("" = from the checkpoint's metadata / args)
   Topology target;            // layout of the job that starts now
   PlanOptions plan;           // replica policy and tolerance, strictness, memory budget, dedup
-  std::string verify = "free";  // LoadOptions::verify: free | full | off
+  std::string verify = kDefaultVerify;  // LoadOptions::verify: full | free | off
 };
-/// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=..", verify: free|full|off (default free),
+/// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=..", verify: full|free|off (default kDefaultVerify),
 /// policies: {replicas: error|average|first,
 /// replica_atol, strict_missing, strict_unexpected, memory_budget_bytes (or memory_budget_gib), dedup,
 /// compare_replicas, weights_from_master, node_local_reads, vocab_padding: warn|refuse}.

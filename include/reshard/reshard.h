@@ -17,6 +17,13 @@
 
 namespace reshard {
 
+/// The checksum mode every face uses when its caller names none: LoadOptions::verify, the CLI's
+/// `convert --verify` and `bench load --verify`, ResumeConfig::verify (a resume YAML without a
+/// `verify:` key), `reshard.load(verify=)` and the Megatron-DeepSpeed hook (exported to Python as
+/// `reshard.DEFAULT_VERIFY`). "full": every stored piece the load touches is checked before any
+/// live tensor is written; "free" (no extra read, cut pieces unchecked) is one argument away.
+inline constexpr const char* kDefaultVerify = "full";
+
 /// One step of a load as it finishes (LoadOptions::on_progress), on this rank.
 struct LoadProgress {
   /// "plan" (planned, options agreed), "preflight" (files, replicas and verify="full"'s pass
@@ -35,8 +42,9 @@ struct LoadOptions {
   /// the 2-core benchmark machine 1, 2 and 4 were within noise even at 8 ranks.
   int io_threads = 0;
   /// Checksum checks while loading (units: native pieces with their xxh3-64, DeepSpeed zip records
-  /// with their CRC-32; see ChecksumUnit):
-  ///  - "free" (default): every fragment that is exactly one unit is checked as it is read, at no
+  /// with their CRC-32; see ChecksumUnit). The default is kDefaultVerify ("full"), the one
+  /// default of every face (CLI, Python API, trainer hook, resume YAML):
+  ///  - "free": every fragment that is exactly one unit is checked as it is read, at no
   ///    extra read: before its bytes go to another rank or to staging, or, when this rank copies
   ///    it straight out of the file mapping into its own live tensors, slab by slab (256 KiB) as
   ///    it is copied, so it crosses memory once; a piece that fails there has its live copy
@@ -50,7 +58,7 @@ struct LoadOptions {
   ///    by the layout change itself (a tp split, a ZeRO partition re-cut, a DeepSpeed flat
   ///    partition read tensor by tensor) are not checked: LoadReport::bytes_unchecked says how
   ///    many bytes, and a note in LoadReport::policies says so.
-  ///  - "full": every unit the load touches (also those cut between fragments), read whole by
+  ///  - "full" (default): every unit the load touches (also those cut between fragments), read whole by
   ///    one rank and checked in the pre-flight before any write, so any mismatch is kDataLoss
   ///    with no live tensor written; the pass counts in verify_bytes_read. Then the
   ///    checkpoint's weights against its fp32 master (check_weights_against_master, the ranks
@@ -62,7 +70,7 @@ struct LoadOptions {
   /// kFailedPrecondition ("the live state is unusable") when checked pieces were already copied;
   /// no value of a piece that fails its check stays in a live tensor (never copied, or
   /// overwritten with NaN). Another value is kInvalidArgument.
-  std::string verify = "free";
+  std::string verify = kDefaultVerify;
   /// Called on the thread that called load(), on every rank, after planning, after the
   /// pre-flight and after each wave (a progress bar, a log line). It must not throw: the other
   /// ranks would wait for this one in the next collective. Empty: no calls.

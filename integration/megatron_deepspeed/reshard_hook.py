@@ -137,7 +137,7 @@ def reshard_save(engine, args, root: str, step: str, iteration: int, consumed: i
 
 
 def reshard_load(engine, args, checkpoint_root: str, step=None, policies: Optional[dict] = None,
-                 model: Optional[str] = None, verify: str = "free") -> Tuple[int, int, dict]:
+                 model: Optional[str] = None, verify: str = reshard.DEFAULT_VERIFY) -> Tuple[int, int, dict]:
     """Loads ``checkpoint_root`` (native or DeepSpeed; ``step`` None = latest) into the live engine,
     resharding weights and optimizer state from the saved layout to this job's. Collective.
 

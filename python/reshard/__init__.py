@@ -56,7 +56,13 @@ __all__ = [
     "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "model_tensors", "derive_layout", "build_layout",
     "open_checkpoint", "inspect", "plan", "load", "save", "save_all_ranks", "communicator", "local_communicator",
     "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint", "allocate", "rank_state",
+    "DEFAULT_VERIFY",
 ]
+
+#: The checksum mode of every face when the caller names none (``load(verify=)``, the
+#: Megatron-DeepSpeed hook, a resume YAML without ``verify:``, the CLI's ``convert``): "full".
+#: The C++ library's ``reshard::kDefaultVerify``, read from the extension so there is one value.
+DEFAULT_VERIFY: str = _C.DEFAULT_VERIFY
 
 Error = _C.Error
 InvalidArgument = _C.InvalidArgument
@@ -404,7 +410,7 @@ def _check_io_threads(io_threads) -> int:
 
 def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, *, comm: Optional["Communicator"] = None,
          step=None, model: Optional[str] = None, policies: Optional[Mapping] = None, io_threads: Optional[int] = None,
-         verify: str = "free", progress: Optional[Callable[[dict], None]] = None) -> dict:
+         verify: str = DEFAULT_VERIFY, progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Loads a checkpoint into this rank's live tensors, resharding as needed. Collective over
     ``comm`` (default: torch.distributed WORLD when initialized with more than one rank, else one
     process): every rank calls it with the same path, target layout and policies.
@@ -419,8 +425,15 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     default), then copied to the device tensors once the whole load succeeded; the report adds
     "device", "device_copy_seconds" and "staged_host_bytes", and "seconds"/"gbps" include the copy.
 
-    ``verify``: checksum checks (native pieces: xxh3-64; DeepSpeed zip records: CRC-32). "free"
-    (default) checks every fragment that is exactly one checksummed unit as it is read, at no
+    ``verify``: checksum checks (native pieces: xxh3-64; DeepSpeed zip records: CRC-32); the
+    default is :data:`DEFAULT_VERIFY`, the same for every face.
+    "full" (the default) reads every unit the load touches whole on one rank and checks it
+    before any write (all or nothing; the pass counts in "verify_bytes_read"), then compares the
+    checkpoint's 16-bit weights with its fp32 master rounded to their dtype, the ranks sharing
+    the tensors (DeepSpeed's optimizers keep them equal in every save; a difference means
+    swapped tp layer files, files from different saves or edited weights), holding at most
+    min(64 MiB, memory_budget) of weights and masters at a time ("peak_verify_bytes").
+    "free" checks every fragment that is exactly one checksummed unit as it is read, at no
     extra read (a fragment copied straight out of the file into this rank's tensors is checked
     in 256 KiB slabs as it is copied; if it fails, its copy in the tensors is overwritten with
     NaN); a unit several ranks of one machine read whole is checked by one of them (the others'
@@ -428,15 +441,8 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
     several fragments is read whole and checked before any write; units cut between ranks by
     the layout change (tp splits, ZeRO re-cuts, DeepSpeed flat partitions read tensor by tensor)
     are not checked ("bytes_unchecked" counts those bytes, and a "verify=free did not check ..."
-    entry in "policies" says so). Ranks
-    that opened different checkpoints (another step or save) raise FailedPrecondition before any
-    write.
-    "full" reads every unit the load touches whole on one rank and checks it before any write (all
-    or nothing; the pass counts in "verify_bytes_read"), then compares the checkpoint's
-    16-bit weights with its fp32 master rounded to their dtype, the ranks sharing the tensors
-    (DeepSpeed's optimizers keep them equal in every save; a difference means swapped tp layer
-    files, files from different saves or edited weights), holding at most min(64 MiB,
-    memory_budget) of weights and masters at a time ("peak_verify_bytes"). "off": none.
+    entry in "policies" says so). "off": none. In every mode, ranks that opened different
+    checkpoints (another step or save) raise FailedPrecondition before any write.
 
     ``io_threads``: threads per rank that read, check and copy, 1..1024; None: $RESHARD_THREADS,
     else the machine's cores up to 8 (the one thread setting of the C++ library).
@@ -721,7 +727,7 @@ def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[tor
 def load_resume_config(path: str) -> dict:
     """Reads a resume policy file (configs/resume/*.yaml): ``{"checkpoint" (root), "step" ("" =
     latest), "model" (file or ""), "target" (topology string), "target_topology" {tp, pp, vpp, dp,
-    zero}, "verify" ("free" | "full" | "off"; load's checksum checks, default "free"), "policies"
+    zero}, "verify" ("full" | "free" | "off"; load's checksum checks, default :data:`DEFAULT_VERIFY`), "policies"
     {replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup,
     compare_replicas, weights_from_master, node_local_reads, vocab_padding ("warn" | "refuse")}}``.
 

@@ -387,6 +387,7 @@ TEST(MpiLoad, FlippedByteInAPieceTheBudgetSplitsFailsEveryRankBeforeAnyWrite) {
     SCOPED_TRACE(std::string("dedup ") + (mode.dedup ? "on" : "off") + ", node-local reads " + (mode.node_local ? "on" : "off"));
     RankLive live(target, comm.rank());
     LoadOptions lo;
+    lo.verify = "free";  // its pre-flight pass over the pieces the budget splits
     lo.plan.dedup = mode.dedup;
     lo.plan.node_local_reads = mode.node_local;
     lo.plan.memory_budget = 256 * 1024;  // the 1 MiB piece is cut into fragments
@@ -627,9 +628,11 @@ TEST(MpiLoad, FlippedByteFailsEveryRankNamingThePiece) {
   auto ckpt = open_checkpoint(root);
   Layout target = derive_layout(gqa_model(), Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
   RankLive live(target, comm.rank());
+  LoadOptions free_mode;
+  free_mode.verify = "free";  // checked in the read or the copy step ("full": the pre-flight)
   std::string msg;
   try {
-    load(*ckpt, target, live.ptrs(), comm);
+    load(*ckpt, target, live.ptrs(), comm, free_mode);
     ADD_FAILURE() << "a flipped byte must not load";
   } catch (const Error& e) {
     msg = e.what();
@@ -694,6 +697,7 @@ TEST(MpiLoad, FlippedByteInAPieceSentToOtherRanksFailsBeforeTheExchange) {
   Layout target = derive_layout(gqa_model(), Topology::parse("tp=1,pp=1,dp=" + std::to_string(comm.size()) + ",zero=1"));
   RankLive live(target, comm.rank());
   LoadOptions o;
+  o.verify = "free";  // checked as it is read, before the exchange
   o.plan.node_local_reads = false;
   std::string msg;
   try {
@@ -759,6 +763,7 @@ TEST(MpiLoad, TheUncheckedNoteCountsFragmentsNotTotals) {
   auto ckpt = open_checkpoint(root);
   Layout target = derive_layout(m, Topology::parse("tp=1,pp=1,dp=" + std::to_string(K) + ",zero=1"));
   LoadOptions o;
+  o.verify = "free";
   o.plan.node_local_reads = false;
   o.plan.memory_budget = 64 << 10;
   auto notes = [](const LoadReport& r) {
@@ -867,7 +872,9 @@ TEST(MpiLoad, FullVerifyChecksPiecesCutBetweenRanksBeforeAnyWrite) {
   Layout target = derive_layout(gqa_model(), Topology::parse(topo));
   if (K % 2 == 0) {
     RankLive live(target, comm.rank());
-    LoadReport r = load(*ckpt, target, live.ptrs(), comm);  // "free" cannot see it
+    LoadOptions free_mode;
+    free_mode.verify = "free";
+    LoadReport r = load(*ckpt, target, live.ptrs(), comm, free_mode);  // "free" cannot see it
     EXPECT_LT(r.bytes_verified, r.bytes_read);
     EXPECT_GT(r.bytes_unchecked, 0u);
     // ... and the report says so, where a trainer's log shows it.

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLI = os.path.join(REPO, "build", "bin", "reshard")
 reshard = pytest.importorskip("reshard", reason="build the extension first (scripts/setup.sh)")
 
 _DT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -214,7 +215,7 @@ def test_the_report_notes_only_what_verify_free_did_not_check(tmp_path):
     m = reshard.model_config(TINY)
     reshard.synth_checkpoint(str(tmp_path), m, "tp=2,pp=1,dp=2,zero=1", 4)
     L = reshard.derive_layout(m, "tp=1,pp=1,dp=1,zero=3")
-    rep = reshard.load(str(tmp_path), L, reshard.allocate(L))
+    rep = reshard.load(str(tmp_path), L, reshard.allocate(L), verify="free")
     assert rep["bytes_verified"] == rep["bytes_read"] > 0 and rep["bytes_unchecked"] == 0, rep
     assert not [p for p in rep["policies"] if p.startswith("verify=free")], rep["policies"]
     rep = reshard.load(str(tmp_path), L, reshard.allocate(L), verify="off")
@@ -224,7 +225,8 @@ def test_the_report_notes_only_what_verify_free_did_not_check(tmp_path):
     m2 = reshard.model_config(dict(TINY, name="mid-f32", hidden=128, ffn=256, vocab=1024, vocab_divisible_by=64))
     reshard.synth_checkpoint(str(tmp_path / "mid"), m2, "tp=1,pp=1,dp=1,zero=1", 5)
     L2 = reshard.derive_layout(m2, "tp=1,pp=1,dp=1,zero=1")
-    rep = reshard.load(str(tmp_path / "mid"), L2, reshard.allocate(L2), policies={"memory_budget_bytes": 65536})
+    rep = reshard.load(str(tmp_path / "mid"), L2, reshard.allocate(L2), policies={"memory_budget_bytes": 65536},
+                       verify="free")
     assert rep["bytes_unchecked"] == 0 and rep["verify_bytes_read"] > 0 and rep["waves"] > 1, rep
     assert not [p for p in rep["policies"] if p.startswith("verify=free")], rep["policies"]
 
@@ -581,11 +583,50 @@ def test_vocab_padding_drop_warns_with_the_divisor_and_refuse_stops_it(tmp_path)
     assert float(kept[13].abs().sum()) > 0  # and the trained padding row, which the drop lost
 
 
+def test_one_verify_default_for_every_face(tmp_path):
+    """One checksum default, stated once (reshard::kDefaultVerify, exported as
+    reshard.DEFAULT_VERIFY): reshard.load, the Megatron-DeepSpeed hook, a resume YAML without
+    ``verify:`` and the CLI's convert and bench load all take it, and it is "full": a default load
+    of a checkpoint whose 16-bit weight is not its fp32 master rounded (every checksum valid)
+    fails before any write, where "free" loads it."""
+    import inspect
+    from reshard.integrations import megatron_deepspeed as mds
+    assert reshard.DEFAULT_VERIFY == "full"
+    assert inspect.signature(reshard.load).parameters["verify"].default == reshard.DEFAULT_VERIFY
+    for fn in (mds.load_checkpoint, mds.fill_engine):
+        assert inspect.signature(fn).parameters["verify"].default == reshard.DEFAULT_VERIFY, fn
+    f = tmp_path / "rc.yaml"
+    f.write_text("checkpoint: {root: /x}\ntarget: tp=1,pp=1,dp=1,zero=1\n")
+    assert reshard.load_resume_config(str(f))["verify"] == reshard.DEFAULT_VERIFY
+    for cmd in (["convert", "--help"], ["bench", "load", "--help"]):
+        out = subprocess.run([CLI, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+        assert "default " + reshard.DEFAULT_VERIFY in " ".join(out.split()), (cmd, out)
+    # The behaviour, not only the names: an edited weight, saved through the writer.
+    m = reshard.model_config(TINY)
+    src = tmp_path / "ck"
+    reshard.synth_checkpoint(str(src), m, "tp=1,pp=1,dp=1,zero=1", 3)
+    c = reshard.open_checkpoint(str(src))
+    L = c.layout
+    from safetensors.torch import load_file
+    stored = load_file(str(src / "step-1" / "rank_00000.safetensors"))
+    tensors = []
+    for b in L.buffers:
+        t = stored[b["name"]].clone()
+        if b["name"] == "weight/layers.0.mlp.dense_4h_to_h.weight":
+            t.view(torch.int16).view(-1)[3] ^= 1  # one bf16 ulp off its rounded master
+        tensors.append(t)
+    reshard.save_all_ranks(str(src), "step-2", L, tensors, state=c.state)
+    live = reshard.allocate(L, fill=0.0)
+    with pytest.raises(reshard.DataLoss, match="weights against the fp32 master"):
+        reshard.load(str(src), L, live, step="step-2")
+    assert all(bool((t == 0).all()) for t in live.values())  # nothing written
+    rep = reshard.load(str(src), L, live, step="step-2", verify="free")
+    assert rep["bytes_read"] > 0
+
+
 def test_resume_config_verify_field(tmp_path):
     base = "checkpoint: {root: /x}\ntarget: tp=1,pp=1,dp=1,zero=1\n"
     f = tmp_path / "rc.yaml"
-    f.write_text(base)
-    assert reshard.load_resume_config(str(f))["verify"] == "free"
     f.write_text(base + "verify: off\n")
     assert reshard.load_resume_config(str(f))["verify"] == "off"
     f.write_text(base + "verify: always\n")

@@ -293,8 +293,10 @@ TEST(ReliabilityCorrupt, FlippedByteFailsTheLoadNamingFileAndPiece) {
   auto ck = open_checkpoint(c.root);  // headers are fine
   const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
   Live live(t);
+  LoadOptions free_mode;
+  free_mode.verify = "free";  // checks as it copies (the default, "full", is the block below)
   try {
-    load_local(*ck, t, live);
+    load_local(*ck, t, live, free_mode);
     FAIL() << "a flipped byte must not load";
   } catch (const Error& e) {
     const std::string msg = e.what();
@@ -666,6 +668,7 @@ TEST(ReliabilityBudget, TooSmallIsAClearErrorAndTheMinimumStillLoadsBitwise) {
   Live ref(t), small(t);
   load_local(*ck, t, ref);
   LoadOptions o;
+  o.verify = "free";
   o.plan.memory_budget = kMinMemoryBudget;
   LoadReport r = load_local(*ck, t, small, o);
   EXPECT_GT(r.waves, 4);
@@ -758,6 +761,7 @@ TEST(ReliabilityLive, ReadFailureInALaterWaveSaysTheLiveStateIsUnusable) {
   auto ck = open_checkpoint(c.root);
   const Layout t = derive_layout(m, Topology::parse("tp=1,dp=1,zero=1"));
   LoadOptions o;
+  o.verify = "free";  // "full" would read every piece before the first write, failing there
   o.plan.memory_budget = kMinMemoryBudget;
   o.io_threads = 1;
   FaultReader count(*ck, -1);

@@ -710,7 +710,7 @@ def _check_scheduler_state(sched, state, path: str) -> None:
 
 
 def fill_engine(view: EngineView, ckpt, *, seed: int, lr_scheduler=None, policies: Optional[dict] = None,
-                verify: str = "free") -> Tuple[dict, dict]:
+                verify: str = reshard.DEFAULT_VERIFY) -> Tuple[dict, dict]:
     """Loads the opened checkpoint ``ckpt`` (reshard.open_checkpoint) into the engine of ``view``:
     every tensor through reshard.load, then optimizer step, loss scale, ``lr_scheduler`` (default the
     engine's), engine.global_steps / global_samples / skipped_steps and the per-rank RNG state.
@@ -849,7 +849,7 @@ def megatron_tokenizer_vocab() -> int:
 
 
 def load_checkpoint(model, optimizer=None, opt_param_scheduler=None, args=None, *, load_arg: str = "load",
-                    step=None, policies: Optional[dict] = None, verify: str = "free", qkv_order: Optional[str] = None,
+                    step=None, policies: Optional[dict] = None, verify: str = reshard.DEFAULT_VERIFY, qkv_order: Optional[str] = None,
                     log: bool = True) -> int:
     """Drop-in for upstream Megatron-DeepSpeed's ``megatron.checkpointing.load_checkpoint`` on its
     DeepSpeed path: loads ``args.<load_arg>`` (the ``latest`` step, or ``step``) into the live engine
