@@ -15,6 +15,7 @@
 #include "io/parallel.h"
 #include "reshard/error.h"
 #include "reshard/reshard.h"
+#include "reshard/units.h"
 
 namespace reshard {
 
@@ -282,8 +283,8 @@ LoadReport load(const CheckpointReader& ckpt, const Layout& target, const std::v
   const uint64_t from_storage = r.bytes_read - std::min(r.bytes_read, r.bytes_reread_on_node);
   if (eo.verify == VerifyMode::kFree && r.bytes_unchecked > 0) {
     std::ostringstream os;
-    os << "verify=free did not check " << r.bytes_unchecked / 1e9 << " of the " << from_storage / 1e9
-       << " GB read: pieces the layout change cuts between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat "
+    os << "verify=free did not check " << format_bytes(r.bytes_unchecked) << " of the " << format_bytes(from_storage)
+       << " read: pieces the layout change cuts between ranks (tp splits, ZeRO re-cuts, DeepSpeed flat "
           "partitions) are not checked; verify=\"full\" checks every piece before any write";
     r.policies.push_back(os.str());
   }
@@ -333,16 +334,16 @@ std::string LoadReport::to_json() const {
 std::string LoadReport::to_text() const {
   std::ostringstream os;
   os << "reshard: " << source_layout << " -> " << target_layout << " (" << change << "), writer " << writer << "\n";
-  os << "  read " << bytes_read / 1e9 << " GB (" << bytes_reread_on_node / 1e9
-     << " GB of it re-read by a second rank of a machine from its page cache; needed " << bytes_needed / 1e9
-     << " GB), exchanged "
-     << bytes_exchanged / 1e9 << " GB, wrote " << target_bytes / 1e9 << " GB in " << seconds << " s ("
-     << gbps << " GB/s), plan " << plan_seconds << " s, " << waves << " wave(s)\n";
-  os << "  checksums: " << bytes_verified / 1e9 << " GB checked (" << checksums_verified << " pieces / records) for "
-     << (bytes_read - bytes_reread_on_node) / 1e9 << " GB read (re-reads by a second rank of a machine checked once), "
-     << bytes_unchecked / 1e9 << " GB of it covered by no check; "
-     << verify_bytes_read / 1e9
-     << " GB read for checks (replica comparisons, verify=full)\n";
+  os << "  read " << format_bytes(bytes_read) << " (" << format_bytes(bytes_reread_on_node)
+     << " of it re-read by a second rank of a machine from its page cache; needed " << format_bytes(bytes_needed)
+     << "), exchanged " << format_bytes(bytes_exchanged) << ", wrote " << format_bytes(target_bytes) << " in "
+     << seconds << " s (" << format_bytes(uint64_t(gbps * 1e9)) << "/s), plan " << plan_seconds << " s, " << waves
+     << " wave(s)\n";
+  os << "  checksums: " << format_bytes(bytes_verified) << " checked (" << checksums_verified << " pieces / records) for "
+     << format_bytes(bytes_read - std::min(bytes_read, bytes_reread_on_node))
+     << " read (re-reads by a second rank of a machine checked once), " << format_bytes(bytes_unchecked)
+     << " of it covered by no check; " << format_bytes(verify_bytes_read)
+     << " read for checks (replica comparisons, verify=full)\n";
   for (const auto& w : warnings) os << "  warning: " << w << "\n";
   for (const auto& p : policies) os << "  policy: " << p << "\n";
   for (const auto& n : not_carried) os << "  not carried over: " << n << "\n";

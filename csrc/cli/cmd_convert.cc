@@ -33,6 +33,7 @@
 #include "reshard/native.h"
 #include "reshard/reshard.h"
 #include "reshard/simulate.h"
+#include "reshard/units.h"
 
 namespace reshard::cli {
 
@@ -77,10 +78,10 @@ std::vector<std::string> check_pieces(const CheckpointReader& ckpt, int part, in
 void warn_unchecked(const std::string& verify, uint64_t unchecked, uint64_t read) {
   if (unchecked == 0) return;
   std::fprintf(stderr,
-               "reshard: warning: --verify %s left %.6f of the %.6f GB read unchecked against the source's "
+               "reshard: warning: --verify %s left %s of the %s read unchecked against the source's "
                "checksums; the output's new checksums cover those bytes as they were read (--verify full, the "
                "default, checks every source piece first)\n",
-               verify.c_str(), unchecked / 1e9, read / 1e9);
+               verify.c_str(), format_bytes(unchecked).c_str(), format_bytes(read).c_str());
 }
 
 // Source data files that do not exist, for a coverage error's message.
@@ -442,8 +443,8 @@ Command convert_command() {
         }
         std::printf("reshard: %s -> %s (%s), writer %s\n", src.layout.topo.to_string().c_str(),
                     target.topo.to_string().c_str(), plan.change.c_str(), ckpt->writer().c_str());
-        std::printf("  read %.6f GB, wrote %.6f GB of state, %d wave(s)\n", plan.bytes_to_read / 1e9,
-                    plan.target_bytes / 1e9, plan.num_waves);
+        std::printf("  read %s, wrote %s of state, %d wave(s)\n", format_bytes(plan.bytes_to_read).c_str(),
+                    format_bytes(plan.target_bytes).c_str(), plan.num_waves);
         for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
         if (!state.per_rank_not_carried.empty())
           std::printf("  not carried over: %s\n", detail::one_line(state.per_rank_not_carried).c_str());

@@ -23,6 +23,7 @@
 #include "reshard/error.h"
 #include "reshard/layout.h"
 #include "reshard/plan.h"
+#include "reshard/units.h"
 
 namespace reshard::cli {
 
@@ -189,8 +190,8 @@ Command inspect_command() {
                 one_line(ckpt->writer()).c_str(), L.topo.to_string().c_str(), L.topo.world_size(), one_line(m.name).c_str());
     std::printf("iteration %lld, optimizer step %lld, consumed samples %lld\n", (long long)st.iteration,
                 (long long)st.step, (long long)st.consumed_samples);
-    std::printf("%zu tensor(s), %zu buffer(s), %.6f GB of state in %zu file(s) (%.6f GB on disk)\n", L.tensors.size(),
-                L.buffers.size(), L.total_bytes() / 1e9, s.files.size(), total / 1e9);
+    std::printf("%zu tensor(s), %zu buffer(s), %s of state in %zu file(s) (%s on disk)\n", L.tensors.size(),
+                L.buffers.size(), format_bytes(L.total_bytes()).c_str(), s.files.size(), format_bytes(total).c_str());
     for (const auto& j : tensors) {
       std::string states;
       for (const auto& x : j["states"]) states += (states.empty() ? "" : ",") + x.get<std::string>();

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "reshard/units.h"
 #include "reshard/checkpoint.h"
 #include "reshard/config.h"
 #include "reshard/error.h"
@@ -177,19 +178,20 @@ Command plan_command() {
       std::printf("%s -> %s: %s\n", plan.source_topo.to_string().c_str(), plan.target_topo.to_string().c_str(),
                   plan.change.c_str());
       std::printf("  world size %d -> %d\n", plan.source_topo.world_size(), plan.target_topo.world_size());
-      std::printf("  bytes to read %.3f GB (needed %.3f GB), to exchange %.3f GB, target state %.3f GB\n",
-                  plan.bytes_to_read / 1e9, plan.bytes_needed / 1e9, plan.bytes_to_exchange / 1e9,
-                  plan.target_bytes / 1e9);
-      std::printf("  %d wave(s), %zu fragments, peak staging %.3f GiB per rank, planned in %.3f s\n", plan.num_waves,
-                  plan.fragments.size(), plan.peak_staging_bytes_per_rank / double(1 << 30), secs);
-      std::printf("  live state per rank: up to %.3f GB (rank %d), %.3f GB over all ranks (a one-process convert "
+      std::printf("  bytes to read %s (needed %s), to exchange %s, target state %s\n",
+                  format_bytes(plan.bytes_to_read).c_str(), format_bytes(plan.bytes_needed).c_str(),
+                  format_bytes(plan.bytes_to_exchange).c_str(), format_bytes(plan.target_bytes).c_str());
+      std::printf("  %d wave(s), %zu fragments, peak staging %s per rank, planned in %.3f s\n", plan.num_waves,
+                  plan.fragments.size(), format_bytes(plan.peak_staging_bytes_per_rank).c_str(), secs);
+      std::printf("  live state per rank: up to %s (rank %d), %s over all ranks (a one-process convert "
                   "holds all of it)\n",
-                  j["live_bytes_per_rank_max"].get<uint64_t>() / 1e9, j["live_bytes_max_rank"].get<int>(),
-                  j["live_bytes_total"].get<uint64_t>() / 1e9);
+                  format_bytes(j["live_bytes_per_rank_max"].get<uint64_t>()).c_str(), j["live_bytes_max_rank"].get<int>(),
+                  format_bytes(j["live_bytes_total"].get<uint64_t>()).c_str());
       if (rate > 0)
-        std::printf("  estimated read time %.2f s: rank %d reads %.3f GB at %.2f GB/s, the rate of a %.3f GB sample "
+        std::printf("  estimated read time %.2f s: rank %d reads %s at %s/s, the rate of a %s sample "
                     "read of these files just now (page cache included; other machines and cold storage differ)\n",
-                    estimate, j["read_bytes_max_rank"].get<int>(), read_max / 1e9, rate / 1e9, rate_bytes / 1e9);
+                    estimate, j["read_bytes_max_rank"].get<int>(), format_bytes(uint64_t(read_max)).c_str(),
+                    format_bytes(uint64_t(rate)).c_str(), format_bytes(uint64_t(rate_bytes)).c_str());
       if (!a->config.empty()) std::printf("  config %s: verify %s\n", a->config.c_str(), verify.c_str());
       for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
     }

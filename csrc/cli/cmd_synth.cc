@@ -12,6 +12,7 @@
 #include "reshard/error.h"
 #include "reshard/layout.h"
 #include "reshard/native.h"
+#include "reshard/units.h"
 
 namespace reshard::cli {
 
@@ -62,8 +63,9 @@ Command synth_command() {
       std::printf("%s\n", j.dump(1).c_str());
       return 0;
     }
-    std::printf("wrote %s/%s: model %s, layout %s, %d rank file(s), %.3f GB of state, seed %llu\n", a->out.c_str(),
-                step.c_str(), detail::one_line(m.name).c_str(), t.to_string().c_str(), t.world_size(), L.total_bytes() / 1e9,
+    std::printf("wrote %s/%s: model %s, layout %s, %d rank file(s), %s of state, seed %llu\n", a->out.c_str(),
+                step.c_str(), detail::one_line(m.name).c_str(), t.to_string().c_str(), t.world_size(),
+                format_bytes(L.total_bytes()).c_str(),
                 (unsigned long long)a->seed);
     return 0;
   };

@@ -1,4 +1,5 @@
 #include "cli/progress.h"
+#include "reshard/units.h"
 
 #include <unistd.h>
 
@@ -52,8 +53,9 @@ void Progress::draw(bool final) {
   if (total_ > 0) {
     const double frac = done_ >= total_ ? 1.0 : double(done_) / double(total_);
     const int width = 24, filled = int(frac * width + 0.5);
-    std::snprintf(buf, sizeof(buf), " [%s%s] %3d%%  %.2f/%.2f GB", std::string(size_t(filled), '#').c_str(),
-                  std::string(size_t(width - filled), ' ').c_str(), int(frac * 100 + 0.5), done_ / 1e9, total_ / 1e9);
+    std::snprintf(buf, sizeof(buf), " [%s%s] %3d%%  %s / %s", std::string(size_t(filled), '#').c_str(),
+                  std::string(size_t(width - filled), ' ').c_str(), int(frac * 100 + 0.5), format_bytes(done_).c_str(),
+                  format_bytes(total_).c_str());
     line += buf;
   }
   if (final) {

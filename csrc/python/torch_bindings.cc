@@ -18,6 +18,7 @@
 #include "reshard/layout.h"
 #include "reshard/native.h"
 #include "reshard/reshard.h"
+#include "reshard/units.h"
 
 namespace py = pybind11;
 
@@ -375,6 +376,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "reshard native extension; use the `reshard` package, not this module directly.";
   register_errors(m);
   m.attr("DEFAULT_VERIFY") = py::str(kDefaultVerify);
+  m.def("format_bytes", &format_bytes, py::arg("bytes"),
+        "A byte count for people, as every text output writes it: '1.88 GB', '51.2 KB' (reshard/units.h).");
   register_torch_comm(m);
 
   py::class_<ModelConfig>(m, "ModelConfig")

@@ -561,8 +561,9 @@ def _progress_sink(progress, rank: int):
 
     def sink(event: dict) -> None:
         if debug:
-            _log.debug("[rank %d] load %s %d/%d: %.3f/%.3f GB at %.3f s", rank, event["stage"], event["index"],
-                       event["count"], event["bytes_done"] / 1e9, event["bytes_total"] / 1e9, event["seconds"])
+            _log.debug("[rank %d] load %s %d/%d: %s / %s at %.3f s", rank, event["stage"], event["index"],
+                       event["count"], _C.format_bytes(event["bytes_done"]), _C.format_bytes(event["bytes_total"]),
+                       event["seconds"])
         if progress is not None:
             progress(event)
     return sink
@@ -571,9 +572,9 @@ def _progress_sink(progress, rank: int):
 def _logged(report: dict, rank: int) -> dict:
     """Logs a finished load on logger "reshard" (INFO: the change, bytes and time; WARNING: each
     of the report's warnings) and returns the report."""
-    _log.info("[rank %d] loaded %s (%s): %.3f GB read, %.3f GB written, %.3f s", rank, report.get("path", ""),
-              report.get("change", ""), report.get("bytes_read", 0) / 1e9, report.get("target_bytes", 0) / 1e9,
-              report.get("seconds", 0.0))
+    _log.info("[rank %d] loaded %s (%s): %s read, %s written, %.3f s", rank, report.get("path", ""),
+              report.get("change", ""), _C.format_bytes(report.get("bytes_read", 0)),
+              _C.format_bytes(report.get("target_bytes", 0)), report.get("seconds", 0.0))
     for w in report.get("warnings", ()):
         _log.warning("[rank %d] %s", rank, w)
     return report
