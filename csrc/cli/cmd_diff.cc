@@ -1,9 +1,7 @@
 // reshard diff: compares the consolidated values of two checkpoints whatever their layouts, or a
-// checkpoint with a single-file safetensors state dict (tensor names = canonical names).
+// checkpoint with a single-file state dict (read_state_dict, reshard/state_dict.h).
 // Consolidation is reshard::consolidate (consolidate.h): tp=1,pp=1,dp=1,zero=0 in memory, every
 // stored vocab row kept, so padding rows are compared where both sides have them.
-#include <sys/stat.h>
-
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -14,16 +12,13 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "formats/deepspeed/ds_names.h"
-#include "formats/safetensors/safetensors.h"
-#include "reshard/torch_archive.h"
-#include "io/file.h"
 #include "reshard/checkpoint.h"
 #include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/layout.h"
 #include "reshard/plan.h"
 #include "reshard/simulate.h"
+#include "reshard/state_dict.h"
 
 namespace reshard::cli {
 
@@ -35,131 +30,8 @@ struct DiffArgs {
   bool json = false;
 };
 
-bool is_regular_file(const std::string& p) {
-  struct stat st;
-  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-// A held tensor (copied out of a consolidation or read from a safetensors file).
-struct Held {
-  std::vector<int64_t> shape;
-  int64_t real_rows = -1;
-  DType dtype = DType::F32;
-  std::vector<char> data;
-  int64_t numel = 0;
-};
-
-struct SafetensorsFile {
-  std::string path;
-  std::map<std::string, Held> tensors;
-  bool all_f32 = true;
-};
-
-SafetensorsFile read_safetensors(const std::string& path) {
-  SafetensorsFile f;
-  f.path = path;
-  io::File fh = io::File::open_read(path);
-  const uint64_t size = fh.size();
-  if (size < 8) fail(ErrorCode::kInvalidArgument, path, " is not a safetensors file (", size, " bytes)");
-  uint8_t prefix[8];
-  fh.pread(0, 8, prefix);
-  const uint64_t n = safetensors::parse_header_size(prefix, size, path);
-  std::string htext(size_t(n), '\0');
-  fh.pread(8, n, htext.data());
-  safetensors::Header h = safetensors::parse_header(htext, path);
-  if (h.data_start + h.buffer_size > size)
-    fail(ErrorCode::kDataLoss, path, ": the header describes ", h.buffer_size, " data bytes but the file ends at byte ",
-         size);
-  for (const auto& [name, t] : h.tensors) {
-    if (!t.rtype) fail(ErrorCode::kUnsupported, path, ": tensor ", name, " has dtype ", t.dtype, ", which reshard does not read");
-    Held x;
-    x.shape = t.shape;
-    x.dtype = *t.rtype;
-    x.numel = t.numel();
-    x.data.resize(t.end - t.begin);
-    fh.pread(h.data_start + t.begin, t.end - t.begin, x.data.data());
-    f.all_f32 &= x.dtype == DType::F32;
-    f.tensors.emplace(name, std::move(x));
-  }
-  if (f.tensors.empty()) fail(ErrorCode::kInvalidArgument, path, " holds no tensors");
-  return f;
-}
-
-// A torch.save state dict (e.g. DeepSpeed's zero_to_fp32 output): name -> tensor, possibly nested
-// (Megatron's module dict) or under a "module" key. DeepSpeed module names are mapped to the
-// canonical names `inspect` shows: pipeline names by the role of each spec (transformer specs
-// numbered in spec order), plain-engine names by their Megatron path (formats.md §1.3-1.4).
-SafetensorsFile read_torch_state_dict(const std::string& path) {
-  SafetensorsFile f;
-  f.path = path;
-  pt::TorchArchive ar = pt::open_torch_file(path);
-  const pt::PyValue* root = &ar.root();
-  if (root->is(pt::PyValue::Kind::Dict))
-    if (const pt::PyValue* m = root->get("module"); m && m->is(pt::PyValue::Kind::Dict)) root = m;
-  if (!root->is(pt::PyValue::Kind::Dict))
-    fail(ErrorCode::kInvalidArgument, path, ": expected a state dict (name -> tensor) at the top level, found ", root->kind_name());
-  std::vector<std::pair<std::string, const pt::TensorInfo*>> flat;
-  std::function<void(const pt::PyValue&, const std::string&)> walk = [&](const pt::PyValue& d, const std::string& pre) {
-    for (const auto& [k, v] : d.entries) {
-      if (!k || !k->is(pt::PyValue::Kind::String)) continue;
-      const std::string name = pre.empty() ? k->text : pre + "." + k->text;
-      if (v->is(pt::PyValue::Kind::Dict)) walk(*v, name);
-      else if (v->is(pt::PyValue::Kind::Tensor)) flat.push_back({name, v->tensor.get()});
-    }
-  };
-  walk(*root, "");
-  if (flat.empty()) fail(ErrorCode::kInvalidArgument, path, " holds no tensors");
-  // Pipeline names: roles per spec from the local names inside it.
-  std::map<int, std::set<std::string>> spec_locals;
-  bool pipeline = false;
-  for (const auto& [n, t] : flat) {
-    ds::PipeName pn = ds::split_pipe_name(n);
-    if (pn.spec >= 0 || !pn.tied.empty()) pipeline = true;
-    if (pn.spec >= 0) spec_locals[pn.spec].insert(pn.local);
-  }
-  std::map<int, std::pair<ds::SpecRole, int>> spec_role;  // spec -> (role, global layer)
-  int layer = 0;
-  for (const auto& [spec, locals] : spec_locals) {
-    ds::SpecRole r = ds::role_of_locals(locals);
-    spec_role[spec] = {r, r == ds::SpecRole::kTransformer ? layer++ : -1};
-  }
-  ds::FileName unused;
-  (void)unused;
-  io::File fh = io::File::open_read(path);
-  for (const auto& [n, t] : flat) {
-    std::string canonical;
-    if (pipeline) {
-      ds::PipeName pn = ds::split_pipe_name(n);
-      if (!pn.tied.empty()) {
-        canonical = ds::canonical_in_spec(ds::SpecRole::kEmbedding, -1, pn.local, n);
-      } else if (pn.spec >= 0) {
-        auto [role, l] = spec_role[pn.spec];
-        if (role == ds::SpecRole::kNormCandidate) role = ds::SpecRole::kFinalNorm;
-        canonical = ds::canonical_in_spec(role, l, pn.local, n);
-      } else {
-        canonical = n;
-      }
-    } else {
-      canonical = ds::canonical_plain(n);
-    }
-    if (!t->dtype_known) fail(ErrorCode::kUnsupported, path, ": tensor ", n, " has dtype ", t->torch_dtype, ", which reshard does not read");
-    if (!t->is_contiguous()) fail(ErrorCode::kUnsupported, path, ": tensor ", n, " is not contiguous");
-    Held x;
-    x.shape = t->shape;
-    x.dtype = t->dtype;
-    x.numel = int64_t(t->numel());
-    x.data.resize(size_t(x.numel) * dtype_size(x.dtype));
-    if (!x.data.empty()) fh.pread(ar.tensor_data_offset(*t), x.data.size(), x.data.data());
-    f.all_f32 &= x.dtype == DType::F32;
-    if (!f.tensors.emplace(canonical, std::move(x)).second)
-      fail(ErrorCode::kInvalidArgument, path, ": two tensors map to the canonical name ", canonical);
-  }
-  return f;
-}
-
-bool has_suffix(const std::string& p, const std::string& suf) {
-  return p.size() > suf.size() && p.compare(p.size() - suf.size(), suf.size(), suf) == 0;
-}
+// A held tensor: copied out of a consolidation, or read from a state-dict file.
+using Held = StateDictTensor;
 
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string o = "[";
@@ -309,13 +181,11 @@ Command diff_command() {
     if (a->atol < 0 || std::isnan(a->atol)) fail(ErrorCode::kInvalidArgument, "--atol ", a->atol, " must be >= 0");
     // Open both sides first, so that an unreadable input fails before any comparison.
     std::unique_ptr<CheckpointReader> ca, cb;
-    std::unique_ptr<SafetensorsFile> fa, fb;
+    std::unique_ptr<StateDict> fa, fb;
     auto open_side = [](const std::string& p, const std::string& model, std::unique_ptr<CheckpointReader>* ck,
-                        std::unique_ptr<SafetensorsFile>* f) {
-      if (is_regular_file(p) && has_suffix(p, ".safetensors")) {
-        *f = std::make_unique<SafetensorsFile>(read_safetensors(p));
-      } else if (is_regular_file(p) && (has_suffix(p, ".pt") || has_suffix(p, ".bin") || has_suffix(p, ".pth"))) {
-        *f = std::make_unique<SafetensorsFile>(read_torch_state_dict(p));
+                        std::unique_ptr<StateDict>* f) {
+      if (is_state_dict_file(p)) {
+        *f = std::make_unique<StateDict>(read_state_dict(p));
       } else {
         OpenOptions oo;
         if (!model.empty()) oo.model_path = resolve_model_path(model);
@@ -329,7 +199,7 @@ Command diff_command() {
     const std::string st = a->state == "weights" ? "weight" : a->state;
     if (st == "all") {
       if (fa || fb) {
-        const SafetensorsFile& f = fa ? *fa : *fb;
+        const StateDict& f = fa ? *fa : *fb;
         states = {f.all_f32 ? StateKind::kMaster : StateKind::kWeight};
       } else {
         states = {StateKind::kWeight, StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq};
@@ -346,7 +216,7 @@ Command diff_command() {
     if (ca) xa = std::make_unique<Consolidated>(consolidate(*ca, co));
     if (cb) xb = std::make_unique<Consolidated>(consolidate(*cb, co));
     // Tensors of one state of one side, held, in the model's parameter order.
-    auto side = [](const CheckpointReader* ck, Consolidated* x, SafetensorsFile* f, StateKind s,
+    auto side = [](const CheckpointReader* ck, Consolidated* x, StateDict* f, StateKind s,
                    std::vector<std::pair<std::string, Held>>* out) -> bool {
       if (f) {
         for (auto& [n, h] : f->tensors) out->push_back({n, h});
