@@ -104,6 +104,7 @@ struct MasterCheck {
   int64_t tensors_checked = 0;   // tensors with both weights and an fp32 master stored
   int64_t elements_checked = 0;  // summed over tp ranks
   uint64_t bytes_read = 0;       // read from the checkpoint for it (replica comparisons included)
+  int64_t tensors_direct = 0;    // of tensors_checked: compared straight out of the file mappings
   /// Most bytes of weights and masters held at once (all tp ranks' shards): at most
   /// options.memory_budget (a larger tensor is compared a range of its elements at a time),
   /// unless a budget smaller than one element of every shard is given.
@@ -138,13 +139,19 @@ struct MasterCheckOptions {
   uint64_t memory_budget = uint64_t(64) << 20;
   /// Threads comparing batches of tensors at once: 0 for default_threads() (io/parallel.h).
   int threads = 0;
-  /// Only the k-th tensor with both stored where k % parts == part (in the checkpoint's tensor
-  /// order), so the ranks of a load share the work.
+  /// Only this part's share of the tensors with both stored, so the ranks of a load share the
+  /// work: the tensors go to the parts by bytes (largest first, each to the part with the fewest
+  /// bytes so far; ties to the lower part), the same split on every rank.
   int part = 0, parts = 1;
   /// Compare the copies of replicated tensors too (the planner's replica check, policy error).
   /// Off: the first copy of each is compared with the master, the others are not read (a load
   /// compares replicas itself, under its own policy).
   bool replicas = true;
+  /// With replicas off: compare each tensor whose pieces allow it straight out of the reader's
+  /// file mappings (no plan, no copy: a weight run against its master run, the master rounded
+  /// slab by slab), the others through a consolidation into held buffers. Same findings either
+  /// way (tests compare the two); false: every tensor through the consolidation.
+  bool direct = true;
 };
 MasterCheck check_weights_against_master(const CheckpointReader& reader, const MasterCheckOptions& options = {});
 

@@ -887,6 +887,35 @@ void resave_edited(const std::string& root, const std::function<void(const Buffe
 }
 
 // check_weights_against_master within a budget smaller than a tensor compares it a range of
+// The load's comparison (replicas compared by the load itself) straight out of the file mappings
+// gives what the consolidating path gives: the same findings, in the same order, over the same
+// tensors and elements, for every split into parts; `direct` tensors took the direct path (-1:
+// some but not all).
+void expect_direct_equals_consolidated(const CheckpointReader& ck, int64_t direct) {
+  for (int parts : {1, 2, 3}) {
+    SCOPED_TRACE("parts " + std::to_string(parts));
+    int64_t checked = 0, direct_seen = 0;
+    for (int part = 0; part < parts; ++part) {
+      MasterCheckOptions slow, fast;
+      slow.replicas = fast.replicas = false;
+      slow.direct = false;
+      slow.part = fast.part = part;
+      slow.parts = fast.parts = parts;
+      const MasterCheck s = check_weights_against_master(ck, slow), f = check_weights_against_master(ck, fast);
+      EXPECT_EQ(s.tensors_direct, 0);
+      ASSERT_EQ(f.mismatches.size(), s.mismatches.size());
+      for (size_t i = 0; i < s.mismatches.size(); ++i) EXPECT_EQ(f.mismatches[i].to_string(), s.mismatches[i].to_string());
+      EXPECT_EQ(f.tensors_checked, s.tensors_checked);
+      EXPECT_EQ(f.elements_checked, s.elements_checked);
+      checked += f.tensors_checked;
+      direct_seen += f.tensors_direct;
+    }
+    if (direct >= 0) EXPECT_EQ(direct_seen, direct);
+    else EXPECT_TRUE(direct_seen > 0 && direct_seen < checked) << direct_seen << " of " << checked;
+    EXPECT_GT(checked, 0);
+  }
+}
+
 // local rows at a time. One bf16 ulp edited in a late row of tp rank 1's word embeddings (seen
 // through the writer, so every checksum holds) is found at its index in that rank's shard, with
 // the same finding as one pass over the whole tensor, and no more than the budget held at once.
@@ -921,6 +950,7 @@ TEST(NativeSynth, WeightsAgainstMasterInRowRangesFindALateRowEdit) {
   EXPECT_EQ(b.elements_checked, a.elements_checked);
   EXPECT_GT(a.peak_bytes_held, cut.memory_budget);
   EXPECT_LE(b.peak_bytes_held, cut.memory_budget);
+  expect_direct_equals_consolidated(*ck, a.tensors_checked);
   std::filesystem::remove_all(root);
 }
 
@@ -974,6 +1004,9 @@ TEST(NativeSynth, WeightsAgainstMasterInElementRangesCutFusedTensorsWithinTheBud
     EXPECT_EQ(b.tensors_checked, a.tensors_checked);
     EXPECT_EQ(b.elements_checked, a.elements_checked);
     EXPECT_LE(b.peak_bytes_held, cut.memory_budget);
+    // The legacy QKV's permuted pieces are not in row-major order: those tensors go through the
+    // consolidation, the others straight out of the mappings.
+    expect_direct_equals_consolidated(*ck, m.qkv_version == 0 ? -1 : a.tensors_checked);
     std::filesystem::remove_all(root);
   }
 }

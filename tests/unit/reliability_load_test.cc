@@ -676,20 +676,14 @@ TEST(ReliabilityBudget, TooSmallIsAClearErrorAndTheMinimumStillLoadsBitwise) {
   EXPECT_EQ(r.peak_verify_bytes, 0u) << "verify=\"free\" runs no weights-vs-master comparison";
   for (size_t b = 0; b < t.buffers.size(); ++b) ASSERT_EQ(ref.mem[b], small.mem[b]) << t.buffers[b].name;
   // verify="full" compares the weights with their fp32 masters before any write, within the
-  // load's budget too (it used to hold whole 512 KiB masters at a 64 KiB budget).
+  // load's budget too (it used to hold whole 512 KiB masters at a 64 KiB budget); these pieces
+  // are compared straight out of the file mappings, so nothing is held at all.
   Live full(t);
   o.verify = "full";
   r = load_local(*ck, t, full, o);
-  EXPECT_GT(r.peak_verify_bytes, 0u);
+  EXPECT_GT(r.verify_bytes_read, 0u);
   EXPECT_LE(r.peak_verify_bytes, kMinMemoryBudget);
   for (size_t b = 0; b < t.buffers.size(); ++b) ASSERT_EQ(ref.mem[b], full.mem[b]) << t.buffers[b].name;
-  // At the default budget the comparison keeps its own 64 MiB cap: this model's largest master
-  // (512 KiB) is held whole.
-  Live big(t);
-  LoadOptions d;
-  d.verify = "full";
-  r = load_local(*ck, t, big, d);
-  EXPECT_GE(r.peak_verify_bytes, uint64_t(128) * 512 * 4);
 }
 
 TEST(ReliabilityModel, BuffersThatShareMemoryAreRefusedBeforeAnyWrite) {
