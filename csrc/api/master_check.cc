@@ -343,8 +343,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     both.swap(rest);
     bytes.swap(rest_bytes);
   }
-  const int workers = std::max(
-      1, std::min<int>(o.threads > 0 ? o.threads : default_threads(), int(std::max(both.size(), direct.size()))));
+  const int threads = o.threads > 0 ? o.threads : default_threads();
   if (!direct.empty()) {
     struct DirectOut {
       std::vector<MasterMismatch> mismatches;
@@ -353,6 +352,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
     };
     std::vector<DirectOut> dres(direct.size());
     constexpr size_t kRun = size_t(1) << 14;
+    const int workers = std::max(1, std::min<int>(threads, int(direct.size())));
     std::vector<std::vector<uint8_t>> rounded(static_cast<size_t>(workers), std::vector<uint8_t>(kRun * 8));
     std::vector<std::vector<float>> weight_f32(static_cast<size_t>(workers), std::vector<float>(kRun));
     std::vector<std::vector<float>> rounded_f32(static_cast<size_t>(workers), std::vector<float>(kRun));
@@ -458,6 +458,7 @@ MasterCheck check_weights_against_master(const CheckpointReader& reader, const M
   // Batches of tensors in stored order, each as many as fit a worker's share of the budget (at
   // least one), checked on `threads` workers at once; each worker holds its own arena, so
   // together they hold at most the budget.
+  const int workers = std::max(1, std::min<int>(threads, int(both.size())));
   const uint64_t budget = std::max<uint64_t>(1, o.memory_budget / uint64_t(workers));
   std::vector<std::pair<size_t, size_t>> batches;
   for (size_t begin = 0; begin < both.size();) {
