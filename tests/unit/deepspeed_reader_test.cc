@@ -985,13 +985,6 @@ TEST(DeepSpeedMalformed, TruncatedGarbageBadOffsetsHostilePickle) {
   EXPECT_FALSE(fs::exists(marker)) << "the hostile pickle ran a command";
 }
 
-// A flipped byte inside a ZeRO flat partition: the record's zip CRC-32 covers the whole partition,
-// which a load reads tensor by tensor, so verify="free" cannot check it (and its report says how
-// much it did check); verify="full" reads the record whole in the pre-flight and refuses the load
-// before any write, naming the file and the record's bytes.
-// verify="free" (default) checks a whole zip record while it copies it into the live tensor (the
-// running CRC-32, slab by slab); a flipped byte fails the load naming the file, and the record's
-// live copy is left as NaN, not as the corrupt values.
 // The fingerprint a load's pre-flight compares across ranks (so ranks that opened different
 // saves fail before any write): equal for two opens of one save, also from another path;
 // different for another save (its records' stored CRC-32s differ).
@@ -1007,6 +1000,9 @@ TEST(DeepSpeedReader, FingerprintTellsSavesApartButNotPaths) {
   fs::remove_all(fs::path(copy).parent_path());
 }
 
+// verify="free" checks a whole zip record while it copies it into the live tensor (the
+// running CRC-32, slab by slab); a flipped byte fails the load naming the file, and the record's
+// live copy is left as NaN, not as the corrupt values.
 TEST(DeepSpeedReader, FreeVerifyChecksAWholeRecordWhileCopyingAndLeavesNaN) {
   REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
   const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc_free");
@@ -1028,8 +1024,10 @@ TEST(DeepSpeedReader, FreeVerifyChecksAWholeRecordWhileCopyingAndLeavesNaN) {
   for (const Buffer& b : target.buffers) mem.emplace_back(size_t(b.numel) * dtype_size(b.dtype), 0x5A);
   for (auto& m : mem) ptrs.push_back(m.data());
   auto comm = make_local_communicator();
+  LoadOptions free_mode;
+  free_mode.verify = "free";
   try {
-    load(*reader, target, ptrs, *comm);
+    load(*reader, target, ptrs, *comm, free_mode);
     ADD_FAILURE() << "a flipped byte in a whole record loaded under verify=free";
   } catch (const Error& e) {
     const std::string m = e.what();
@@ -1093,6 +1091,10 @@ TEST(DeepSpeedReader, VerifyAllChecksEveryRecordIncludingFlatPartitions) {
   EXPECT_NE(problems[0].find("zip CRC-32"), std::string::npos) << problems[0];
 }
 
+// A flipped byte inside a ZeRO flat partition: the record's zip CRC-32 covers the whole partition,
+// which a load reads tensor by tensor, so verify="free" cannot check it (and its report says how
+// much it did check); verify="full" reads the record whole in the pre-flight and refuses the load
+// before any write, naming the file and the record's bytes.
 TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
   REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
   const std::string step = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "crc");
@@ -1126,7 +1128,9 @@ TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
   auto comm = make_local_communicator();
   {
     auto mem = live();
-    LoadReport r = load(*reader, target, ptrs(mem), *comm);  // "free": the cut record is not checked
+    LoadOptions free_mode;
+    free_mode.verify = "free";
+    LoadReport r = load(*reader, target, ptrs(mem), *comm, free_mode);  // the cut record is not checked
     EXPECT_LT(r.bytes_verified, r.bytes_read);
     EXPECT_GT(r.bytes_unchecked, 0u);
   }
