@@ -110,10 +110,20 @@ class CheckpointReader {
   virtual std::string fingerprint() const { return {}; }
 };
 
+/// The step name that means "the newest complete step" (OpenOptions::newest_complete).
+inline constexpr const char* kNewestStep = "newest";
+
 struct OpenOptions {
   /// Step to open: "" = the one `latest` names; otherwise a step folder name ("global_step20",
   /// "step-20") or number ("20"). A missing step is an error, never a fallback (B20).
   std::string step;
+  /// With `step` empty: open the newest step folder that is complete instead of the one `latest`
+  /// names (an elastic restart after a kill: `latest` may lag a finished save, and a save killed
+  /// midway leaves a step folder that must never load). Complete: it opens (every file whole,
+  /// metadata readable) and its files cover every element of every tensor. Each newer folder
+  /// skipped gets a note naming why; none complete is kNotFound listing each step and its reason.
+  bool newest_complete = false;
+  /// `step` = kNewestStep ("newest") asks for the same where no folder has that name.
   /// Model description to use where the files do not record it (DeepSpeed: QKV meaning, SwiGLU,
   /// tp > groups variant). Empty: native checkpoints carry their own; DeepSpeed ones need it or
   /// an `args` Namespace the reader can interpret.

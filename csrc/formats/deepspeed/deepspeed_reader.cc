@@ -1873,8 +1873,10 @@ void Builder::non_tensor_state() {
 
 }  // namespace
 
-std::unique_ptr<CheckpointReader> open_deepspeed(const std::string& step_dir, const OpenOptions& options) {
+std::unique_ptr<CheckpointReader> open_deepspeed(const std::string& step_dir, const OpenOptions& options,
+                                                 std::vector<std::string> notes) {
   auto reader = std::make_unique<DeepSpeedReader>();
+  reader->notes_ = std::move(notes);
   reader->dir_ = step_dir;
   while (reader->dir_.size() > 1 && reader->dir_.back() == '/') reader->dir_.pop_back();
   Builder b;

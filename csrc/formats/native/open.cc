@@ -8,8 +8,10 @@
 #include "io/file.h"
 #include "reshard/checkpoint.h"
 #include "reshard/config.h"
+#include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/native.h"
+#include "reshard/plan.h"
 
 namespace reshard {
 namespace {
@@ -109,12 +111,56 @@ std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOp
            "it was saved with");
     return reader;
   }
-  if (is_deepspeed_step(dir)) return open_deepspeed(dir, opt);
+  if (is_deepspeed_step(dir)) return open_deepspeed(dir, opt, std::move(notes));
   const std::string meta = io::join(dir, native::kMetadataFile);
   if (io::exists(meta) && !io::is_file(meta))
     fail(ErrorCode::kDataLoss, meta, " is not a regular file (a folder?); a native step's metadata is a JSON file");
   fail(ErrorCode::kInvalidArgument, dir, " is not a step folder: it holds neither ", native::kMetadataFile,
        " (native) nor *_model_states.pt (DeepSpeed)");
+}
+
+// "" when an opened step is complete, else why not: a data file its metadata names is missing,
+// or some tensor's elements are covered by no file (a save killed before every rank wrote).
+std::string incomplete_reason(const CheckpointReader& r) {
+  for (const auto& n : r.notes())
+    if (n.rfind("missing data file ", 0) == 0 || n.rfind("missing file: ", 0) == 0) return n;
+  const SourceLayout& src = r.source();
+  Topology t1;
+  t1.tp = src.layout.topo.tp;
+  const std::vector<CoverageGap> gaps = find_coverage_gaps(src, layout_like(src, t1));
+  if (gaps.empty()) return "";
+  return "tensor " + gaps[0].tensor + " (" + state_kind_name(gaps[0].state) + "): elements " +
+         gaps[0].region.to_string() + " covered by no file" +
+         (gaps.size() > 1 ? " (and " + std::to_string(gaps.size() - 1) + " more gaps)" : std::string());
+}
+
+// The newest complete step of a root (OpenOptions::newest_complete).
+std::unique_ptr<CheckpointReader> open_newest_complete(const std::string& root, const std::vector<std::string>& steps,
+                                                       const OpenOptions& opt, const std::string& latest_names) {
+  std::vector<std::string> skipped;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    std::vector<std::string> notes = skipped;
+    notes.push_back("newest complete step: " + *it +
+                    (latest_names.empty() || latest_names == *it ? std::string()
+                                                                 : " (`latest` names " + latest_names + ")"));
+    std::string why;
+    try {
+      auto r = open_step(io::join(root, *it), opt, notes);
+      why = incomplete_reason(*r);
+      if (why.empty()) return r;
+    } catch (const Error& e) {
+      // Damaged or partial files are what an unfinished save leaves; any other error (a model
+      // that disagrees, an unsupported format) is the caller's to see, not a reason to go back.
+      if (e.code() != ErrorCode::kDataLoss && e.code() != ErrorCode::kNotFound) throw;
+      why = e.what();
+    }
+    skipped.push_back("skipped step " + *it + ", not complete (a save that did not finish?): " + why);
+  }
+  std::string list;  // one line: error messages are single-line (control characters escaped)
+  for (const auto& s : skipped) list += " " + s + ";";
+  if (!list.empty()) list.pop_back();
+  fail(ErrorCode::kNotFound, "no complete step in ", root, " (", steps.size(), " step folder(s) found)",
+       steps.empty() ? std::string() : ":" + list);
 }
 
 }  // namespace
@@ -169,6 +215,18 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
   std::vector<std::string> notes;
   const std::string latest = io::join(path, native::kLatestFile);
   const std::string megatron_latest = io::join(path, "latest_checkpointed_iteration.txt");
+  // `--step newest` (CLI, resume YAML, Python) asks the same, unless a folder has that name.
+  const bool newest = (opt.newest_complete && opt.step.empty()) ||
+                      (opt.step == kNewestStep && !io::is_dir(io::join(path, kNewestStep)));
+  if (newest) {
+    std::string named;
+    if (io::is_file(latest)) named = trim(io::read_text(latest, 4096));
+    else if (io::is_file(megatron_latest)) named = "iteration " + trim(io::read_text(megatron_latest, 4096));
+    if (steps.empty())
+      fail(ErrorCode::kInvalidArgument, path, " is not a checkpoint folder: no step folders (it holds ",
+           join_list(entries), ")");
+    return open_newest_complete(path, steps, opt, named);
+  }
   if (!opt.step.empty()) {
     step = resolve_step(path, opt.step, steps);
     notes.push_back("loading the asked step " + step);
