@@ -43,6 +43,7 @@ struct ConvertArgs {
   std::string in, out, target, budget, step, source_step, model, verify = kDefaultVerify, qkv_order;
   std::string vocab_padding = "warn";
   int vocab_divisible_by = 0;      // --target-vocab-divisible-by; 0: the source's
+  int64_t world_size = 0;          // --world-size: with a config whose target is auto
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   bool no_dedup = false;
   bool overwrite = false;  // replace an existing OUT/<step> (atomically); otherwise refused
@@ -191,6 +192,9 @@ Command convert_command() {
     s->add_option("--config", a->config,
                   "A resume config (configs/resume/*.yaml): the source checkpoint and step, model, target layout, "
                   "verify and policies (replicas, strictness, memory budget, dedup, vocab padding) come from it");
+    s->add_option("--world-size", a->world_size,
+                  "With --config whose target is auto: the ranks of the job the output is for (the elastic policy picks "
+                  "the layout)");
     s->add_option("--target-stages", a->target_stages,
                   "Layers on each target pipeline stage, e.g. 2,1,1 for 4 layers over pp=3 (uneven splits "
                   "as DeepSpeed's PipelineModule makes them; default: equal)")
@@ -228,6 +232,7 @@ Command convert_command() {
   c.run = [a]() -> int {
     const auto t0 = std::chrono::steady_clock::now();
     PlanOptions po;
+    std::string elastic_reason;  // config target: auto: what choose_layout picked and why
     if (!a->config.empty()) {
       if (!a->out.empty())
         fail(ErrorCode::kInvalidArgument, "convert --config ", a->config, " names the source checkpoint; give only OUT");
@@ -241,12 +246,23 @@ Command convert_command() {
       a->in = rc.checkpoint;
       a->source_step = rc.step;
       a->model = rc.model;
-      a->target = rc.target.to_string();
+      if (rc.target_auto) {
+        const LayoutChoice c = choose_config_target(rc, a->world_size, a->config, &a->source_step);
+        a->target = c.target.to_string();
+        elastic_reason = c.reason + " (step " + a->source_step + ")";
+      } else if (a->world_size) {
+        fail(ErrorCode::kInvalidArgument, "convert --world-size applies to a config whose target is auto; ", a->config,
+             " names target ", rc.target.to_string());
+      } else {
+        a->target = rc.target.to_string();
+      }
       a->verify = rc.verify;
       po = rc.plan;
     } else {
       if (a->out.empty()) fail(ErrorCode::kInvalidArgument, "convert needs IN and OUT (or --config FILE and OUT)");
       if (a->target.empty()) fail(ErrorCode::kInvalidArgument, "convert needs --target LAYOUT (or --config FILE)");
+      if (a->world_size)
+        fail(ErrorCode::kInvalidArgument, "convert --world-size applies to --config FILE whose target is auto");
       po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
       po.dedup = !a->no_dedup;
       po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
@@ -379,9 +395,11 @@ Command convert_command() {
           j["seconds"] = since(t0);
           j["verify"] = a->verify;
           j["report"] = nlohmann::ordered_json::parse(r.to_json());
+          if (!elastic_reason.empty()) j["elastic"] = elastic_reason;
           std::printf("%s\n", j.dump(1).c_str());
           if (a->verify != "full") warn_unchecked(a->verify, r.bytes_unchecked, r.bytes_read - r.bytes_reread_on_node);
         } else if (rank == 0 && !quiet()) {
+          if (!elastic_reason.empty()) std::printf("elastic: %s\n", elastic_reason.c_str());
           std::fputs(r.to_text().c_str(), stdout);
           // Re-reads by a second rank of a machine are checked once (by the first), not again.
           if (a->verify != "full") warn_unchecked(a->verify, r.bytes_unchecked, r.bytes_read - r.bytes_reread_on_node);

@@ -20,6 +20,8 @@ namespace reshard::cli {
 namespace {
 struct PlanArgs {
   std::string path, step, model, source, target, budget, config;
+  int64_t world_size = 0;          // --world-size: with a config whose target is auto
+  std::string elastic_reason;      // what choose_layout picked and why
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   std::string vocab_padding = "warn";
   bool json = false, no_dedup = false, no_read_rate = false;
@@ -67,6 +69,8 @@ Command plan_command() {
     s->add_option("--config", a->config,
                   "A resume config (configs/resume/*.yaml): its checkpoint, step, model, target and policies, "
                   "planned as the trainer that reads it would load");
+    s->add_option("--world-size", a->world_size,
+                  "With --config whose target is auto: the ranks of the restarting job (the elastic policy picks the layout)");
     s->add_option("--target-stages", a->target_stages,
                   "Layers on each target pipeline stage, e.g. 2,1,1 for 4 layers over pp=3 (uneven splits "
                   "as DeepSpeed's PipelineModule makes them; default: equal)")
@@ -95,11 +99,22 @@ Command plan_command() {
       a->path = rc.checkpoint;
       a->step = rc.step;
       a->model = rc.model;
-      a->target = rc.target.to_string();
+      if (rc.target_auto) {
+        const LayoutChoice c = choose_config_target(rc, a->world_size, a->config, &a->step);
+        a->target = c.target.to_string();
+        a->elastic_reason = c.reason;
+      } else {
+        if (a->world_size)
+          fail(ErrorCode::kInvalidArgument, "plan --world-size applies to a config whose target is auto; ", a->config,
+               " names target ", rc.target.to_string());
+        a->target = rc.target.to_string();
+      }
       po = rc.plan;
       verify = rc.verify;
     } else {
       if (a->target.empty()) fail(ErrorCode::kInvalidArgument, "plan needs --target LAYOUT (or --config FILE)");
+      if (a->world_size)
+        fail(ErrorCode::kInvalidArgument, "plan --world-size applies to --config FILE whose target is auto");
       po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
       po.dedup = !a->no_dedup;
       po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
@@ -171,6 +186,7 @@ Command plan_command() {
       }
       if (!a->config.empty()) {
         j["config"] = a->config;
+        if (!a->elastic_reason.empty()) j["elastic"] = {{"world_size", a->world_size}, {"reason", a->elastic_reason}};
         j["verify"] = verify;
       }
       std::cout << j.dump(2) << std::endl;
@@ -193,6 +209,8 @@ Command plan_command() {
                     estimate, j["read_bytes_max_rank"].get<int>(), format_bytes(uint64_t(read_max)).c_str(),
                     format_bytes(uint64_t(rate)).c_str(), format_bytes(uint64_t(rate_bytes)).c_str());
       if (!a->config.empty()) std::printf("  config %s: verify %s\n", a->config.c_str(), verify.c_str());
+      if (!a->elastic_reason.empty())
+        std::printf("  elastic: %s (step %s)\n", detail::one_line(a->elastic_reason).c_str(), a->step.c_str());
       for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
     }
     return 0;

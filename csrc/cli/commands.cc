@@ -6,6 +6,8 @@
 #include <climits>
 #include <cstdlib>
 
+#include "io/file.h"
+#include "reshard/checkpoint.h"
 #include "reshard/error.h"
 
 namespace reshard::cli {
@@ -108,6 +110,31 @@ ResumeConfig read_config_request(const std::string& command, const std::string& 
       fail(ErrorCode::kInvalidArgument, command, " --config ", path, " sets the checkpoint, target and policies; ", flag,
            " cannot be given with it (edit the config, or ", command, " without --config)");
   return load_resume_config(path);
+}
+
+LayoutChoice choose_config_target(const ResumeConfig& rc, int64_t world, const std::string& path, std::string* step_out) {
+  if (world < 1)
+    fail(ErrorCode::kInvalidArgument, path, ": target is auto (chosen at restart from the job's world size); give ",
+         "--world-size N, the ranks of the job that restarts");
+  OpenOptions oo;
+  oo.step = rc.step.empty() ? std::string(kNewestStep) : rc.step;
+  if (!rc.model.empty()) oo.model_path = resolve_model_path(rc.model);
+  auto ckpt = open_checkpoint(rc.checkpoint, oo);
+  const SourceLayout& src = ckpt->source();
+  ElasticPolicy p;
+  p.kind = rc.elastic_policy;
+  for (const auto& a : rc.elastic_allowed) p.allowed.push_back(parse_candidate(a, src.layout.topo));
+  const ModelConfig& m = src.layout.model;
+  auto fits = [&m](const Topology& t) {
+    try {
+      m.validate_for(t.tp, t.pp, t.vpp);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  if (step_out) *step_out = io::base_name(ckpt->path());
+  return choose_layout(src.layout.topo, world, p, 0, fits);
 }
 
 }  // namespace reshard::cli

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "reshard/config.h"
+#include "reshard/elastic.h"
 #include "reshard/layout.h"
 
 namespace reshard::cli {
@@ -49,5 +50,11 @@ std::string resolve_model_path(const std::string& model);
 /// Error(kInvalidArgument) naming `command`, the config and the flag.
 ResumeConfig read_config_request(const std::string& command, const std::string& path,
                                  std::initializer_list<std::pair<bool, const char*>> flags);
+
+/// A resume config's `target: auto` (elastic): opens its checkpoint (its step, else the newest
+/// complete one) and returns choose_layout's pick for a job of `world` ranks under the config's
+/// elastic policy, the model asked about each candidate. `step_out` gets the step folder opened.
+/// Error(kInvalidArgument) naming --world-size when `world` < 1 (not given), else choose_layout's.
+LayoutChoice choose_config_target(const ResumeConfig& rc, int64_t world, const std::string& path, std::string* step_out);
 
 }  // namespace reshard::cli

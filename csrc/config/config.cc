@@ -153,7 +153,7 @@ ModelConfig load_model_config(const std::string& path) { return parse_model_conf
 
 ResumeConfig load_resume_config(const std::string& path) {
   YAML::Node n = parse_yaml(read_text(path), path);
-  check_keys(n, {"checkpoint", "model", "target", "policies", "verify"}, path, "");
+  check_keys(n, {"checkpoint", "model", "target", "elastic", "policies", "verify"}, path, "");
   ResumeConfig rc;
   if (const YAML::Node c = n["checkpoint"]) {
     check_keys(c, {"root", "step"}, path, "checkpoint.");
@@ -165,10 +165,45 @@ ResumeConfig load_resume_config(const std::string& path) {
   rc.verify = get<std::string>(n, "verify", path, kDefaultVerify);
   if (rc.verify != "free" && rc.verify != "full" && rc.verify != "off")
     fail(ErrorCode::kInvalidArgument, path, ": field verify is '", rc.verify, "'; expected free, full or off");
-  try {
-    rc.target = Topology::parse(get<std::string>(n, "target", path, ""));
-  } catch (const Error& e) {
-    fail(ErrorCode::kInvalidArgument, path, ": field target: ", e.what());
+  const std::string target = get<std::string>(n, "target", path, "");
+  rc.target_auto = target == "auto";
+  if (!rc.target_auto) {
+    try {
+      rc.target = Topology::parse(target);
+    } catch (const Error& e) {
+      fail(ErrorCode::kInvalidArgument, path, ": field target: ", e.what(), " (or 'auto': chosen at restart)");
+    }
+  }
+  if (const YAML::Node e = n["elastic"]) {
+    if (!rc.target_auto)
+      fail(ErrorCode::kInvalidArgument, path, ": field elastic is given but target is a fixed layout; ",
+           "write target: auto to let the restart choose it");
+    check_keys(e, {"policy", "allowed"}, path, "elastic.");
+    try {
+      rc.elastic_policy = ElasticPolicy::parse_kind(get<std::string>(e, "policy", path, "keep"));
+    } catch (const Error& x) {
+      fail(ErrorCode::kInvalidArgument, path, ": field elastic.policy: ", x.what());
+    }
+    if (const YAML::Node a = e["allowed"]) {
+      if (!a.IsSequence()) fail(ErrorCode::kInvalidArgument, path, ": field elastic.allowed must be a list of layouts");
+      for (size_t i = 0; i < a.size(); ++i) {
+        const std::string where = "elastic.allowed[" + std::to_string(i) + "]";
+        if (!a[i].IsScalar()) fail(ErrorCode::kInvalidArgument, path, ": field ", where, " must be a layout string");
+        const std::string text = a[i].as<std::string>();
+        try {
+          parse_candidate(text, Topology{});
+        } catch (const Error& x) {
+          fail(ErrorCode::kInvalidArgument, path, ": field ", where, ": ", x.what());
+        }
+        rc.elastic_allowed.push_back(text);
+      }
+    }
+    if (rc.elastic_policy == ElasticPolicy::Kind::kAllowedList && rc.elastic_allowed.empty())
+      fail(ErrorCode::kInvalidArgument, path, ": field elastic.allowed is missing or empty; policy list needs ",
+           "the layouts to choose from, in order of preference");
+    if (rc.elastic_policy != ElasticPolicy::Kind::kAllowedList && !rc.elastic_allowed.empty())
+      fail(ErrorCode::kInvalidArgument, path, ": field elastic.allowed is given with policy '",
+           ElasticPolicy::kind_name(rc.elastic_policy), "', which does not read it; write policy: list");
   }
   if (const YAML::Node p = n["policies"]) {
     check_keys(p, {"replicas", "replica_atol", "strict_missing", "strict_unexpected", "memory_budget_bytes",

@@ -6,6 +6,8 @@
 
 #include <pybind11/stl.h>
 
+#include <functional>
+#include <optional>
 #include <algorithm>
 #include <map>
 #include <type_traits>
@@ -14,6 +16,7 @@
 #include "python/torch_comm.h"
 #include "reshard/checkpoint.h"
 #include "reshard/config.h"
+#include "reshard/elastic.h"
 #include "reshard/error.h"
 #include "reshard/layout.h"
 #include "reshard/native.h"
@@ -680,8 +683,56 @@ PYBIND11_MODULE(_C, m) {
     d["target_topology"] = t;
     d["policies"] = plan_options_to_py(rc.plan);
     d["verify"] = rc.verify;
+    if (rc.target_auto) {
+      d["target"] = "auto";
+      d["target_topology"] = py::none();
+    }
+    py::dict el;
+    el["policy"] = ElasticPolicy::kind_name(rc.elastic_policy);
+    el["allowed"] = rc.elastic_allowed;
+    d["elastic"] = el;
     return d;
   });
+
+  m.def(
+      "choose_layout",
+      [](const std::string& saved_text, int64_t world, const std::string& policy, const std::vector<std::string>& allowed,
+         int64_t global_batch, std::optional<ModelConfig> model) {
+        const Topology saved = Topology::parse(saved_text);
+        ElasticPolicy p;
+        p.kind = ElasticPolicy::parse_kind(policy);
+        for (const auto& a : allowed) p.allowed.push_back(parse_candidate(a, saved));
+        std::function<std::string(const Topology&)> fits;
+        if (model)
+          fits = [&](const Topology& t) {
+            try {
+              model->validate_for(t.tp, t.pp, t.vpp);
+            } catch (const Error& e) {
+              return std::string(e.what());
+            }
+            return std::string();
+          };
+        const LayoutChoice c = choose_layout(saved, world, p, global_batch, fits);
+        py::dict d;
+        d["target"] = c.target.to_string();
+        d["reason"] = c.reason;
+        d["tried"] = c.tried;
+        return d;
+      },
+      py::arg("saved"), py::arg("world_size"), py::arg("policy") = "keep", py::arg("allowed") = std::vector<std::string>{},
+      py::arg("global_batch") = 0, py::arg("model") = py::none());
+  m.def(
+      "plan_batch",
+      [](int64_t global_batch, int64_t micro_batch, int64_t dp) {
+        const BatchPlan b = plan_batch(global_batch, micro_batch, dp);
+        py::dict d;
+        d["global_batch"] = b.global_batch;
+        d["micro_batch"] = b.micro_batch;
+        d["grad_accum"] = b.grad_accum;
+        d["reason"] = b.reason;
+        return d;
+      },
+      py::arg("global_batch"), py::arg("micro_batch"), py::arg("dp"));
 
   m.def("parse_topology", [](const std::string& s) {
     Topology t = Topology::parse(s);

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
+#include "reshard/elastic.h"
 #include "reshard/model.h"
 #include "reshard/plan.h"
 #include "reshard/reshard.h"
@@ -25,11 +27,17 @@ struct ResumeConfig {
   std::string checkpoint;     // root folder
   std::string step;           // "" = latest
   std::string model;          // model file ("" = from the checkpoint's metadata / args)
-  Topology target;            // layout of the job that starts now
+  Topology target;            // layout of the job that starts now (unset when target_auto)
+  bool target_auto = false;   // `target: auto`: choose_layout() picks it from the saved layout,
+                              // the job's world size and `elastic`
+  ElasticPolicy::Kind elastic_policy = ElasticPolicy::Kind::kKeepModelParallel;
+  std::vector<std::string> elastic_allowed;  // policy list: candidates as written (parse_candidate)
   PlanOptions plan;           // replica policy and tolerance, strictness, memory budget, dedup
   std::string verify = kDefaultVerify;  // LoadOptions::verify: full | free | off
 };
-/// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=..", verify: full|free|off (default kDefaultVerify),
+/// Keys: checkpoint: {root, step}, model, target: "tp=..,pp=.." or "auto",
+/// elastic: {policy: keep|list|refuse, allowed: ["tp=2,pp=2", ...]} (only with target: auto;
+/// policy list needs allowed), verify: full|free|off (default kDefaultVerify),
 /// policies: {replicas: error|average|first,
 /// replica_atol, strict_missing, strict_unexpected, memory_budget_bytes (or memory_budget_gib), dedup,
 /// compare_replicas, weights_from_master, node_local_reads, vocab_padding: warn|refuse}.

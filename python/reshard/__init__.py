@@ -56,7 +56,7 @@ __all__ = [
     "ModelConfig", "Layout", "Checkpoint", "Communicator", "model_config", "model_tensors", "derive_layout", "build_layout",
     "open_checkpoint", "inspect", "plan", "load", "save", "save_all_ranks", "communicator", "local_communicator",
     "load_resume_config", "parse_topology", "describe_change", "synth_checkpoint", "allocate", "rank_state",
-    "DEFAULT_VERIFY",
+    "DEFAULT_VERIFY", "choose_layout", "plan_batch", "world_size_of_job",
 ]
 
 #: The checksum mode of every face when the caller names none (``load(verify=)``, the
@@ -208,8 +208,10 @@ def open_checkpoint(path: str, *, step: Optional[Union[str, int]] = None,
                     model: Optional[Union[str, Mapping, "ModelConfig"]] = None) -> "Checkpoint":
     """Opens a checkpoint root or step folder (native or DeepSpeed), reading headers only.
 
-    ``step``: None = the step ``latest`` names; else a folder name ("global_step20", "step-20") or
-    number. A missing step is an error, never a fallback. ``model``: the model description for
+    ``step``: None = the step ``latest`` names; "newest" = the newest complete step (a save that
+    did not finish is skipped, with a note naming why; an elastic restart's choice); else a
+    folder name ("global_step20", "step-20") or number. A missing step is an error, never a
+    fallback. ``model``: the model description for
     formats that do not record the model (DeepSpeed; it must agree with the trainer's ``args``
     recorded there): a model YAML file's path, or a dict of its keys or a ModelConfig (as
     :func:`model_config` takes them; a trainer building it from its live config needs no file).
@@ -727,13 +729,69 @@ def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[tor
 
 def load_resume_config(path: str) -> dict:
     """Reads a resume policy file (configs/resume/*.yaml): ``{"checkpoint" (root), "step" ("" =
-    latest), "model" (file or ""), "target" (topology string), "target_topology" {tp, pp, vpp, dp,
-    zero}, "verify" ("full" | "free" | "off"; load's checksum checks, default :data:`DEFAULT_VERIFY`), "policies"
+    latest, "newest" = the newest complete step), "model" (file or ""), "target" (topology string,
+    or "auto": :func:`choose_layout` picks it at restart), "target_topology" {tp, pp, vpp, dp,
+    zero} (None for "auto"), "elastic" {policy ("keep" | "list" | "refuse"), allowed [layout
+    strings]}, "verify" ("full" | "free" | "off"; load's checksum checks, default :data:`DEFAULT_VERIFY`), "policies"
     {replicas, replica_atol, strict_missing, strict_unexpected, memory_budget_bytes, dedup,
     compare_replicas, weights_from_master, node_local_reads, vocab_padding ("warn" | "refuse")}}``.
 
     Raises NotFound for a missing file, InvalidArgument naming the field otherwise."""
     return _C.load_resume_config(str(path))
+
+
+def choose_layout(saved: Union[str, "Checkpoint"], world_size: int, *, policy: str = "keep",
+                  allowed: Sequence[str] = (), global_batch: int = 0,
+                  model: Optional[Union[str, Mapping, "ModelConfig"]] = None) -> dict:
+    """The layout an elastic restart of ``world_size`` ranks takes, from the layout the checkpoint
+    was saved under. Reads nothing but what it is given (a Checkpoint's headers are already read).
+
+    ``saved``: an opened Checkpoint (its topology and model are used) or a topology string.
+    ``policy``: "keep" (default: tp, pp, vpp and the ZeRO stage stay, dp = world / (tp*pp)),
+    "list" (the first of ``allowed`` that runs ``world_size`` ranks and fits; a candidate's
+    omitted keys keep the saved values, an omitted dp is derived) or "refuse" (the saved world
+    size only). ``global_batch`` > 0 also turns down layouts whose dp does not divide it.
+    ``model`` (default: the Checkpoint's) turns down layouts it cannot take (tp must divide the
+    heads, pp the layers).
+
+    Returns ``{"target": topology string, "reason": one sentence, "tried": [rejected candidate
+    and why]}``. Raises InvalidArgument naming the world size, the policy and every candidate
+    tried with its reason when none fits (before anything is read or written)."""
+    if isinstance(saved, Checkpoint):
+        if model is None:
+            model = saved.model
+        saved = saved.topology
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise InvalidArgument(f"choose_layout: world_size must be an int, got {world_size!r}")
+    if isinstance(allowed, str):
+        raise InvalidArgument("choose_layout: allowed is a list of layout strings, not one string")
+    return _C.choose_layout(str(saved), int(world_size), str(policy), [str(a) for a in allowed], int(global_batch),
+                            None if model is None else model_config(model))
+
+
+def plan_batch(global_batch: int, micro_batch: int, dp: int) -> dict:
+    """Micro-batch and gradient-accumulation steps that keep ``global_batch`` samples per optimizer
+    step at ``dp`` data-parallel ranks: ``{"global_batch", "micro_batch", "grad_accum", "reason"}``
+    with micro_batch * grad_accum * dp == global_batch. ``micro_batch`` is kept when it divides
+    the samples per rank, else the largest smaller one that does ("reason" says so; "" when kept).
+    Raises InvalidArgument naming the global batch and dp when dp does not divide it."""
+    return _C.plan_batch(int(global_batch), int(micro_batch), int(dp))
+
+
+def world_size_of_job(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The world size the launcher gave this process, before any process group exists: torchrun
+    and torch.distributed's env:// (``WORLD_SIZE``), Open MPI (``OMPI_COMM_WORLD_SIZE``), MPICH /
+    Intel MPI (``PMI_SIZE``), Slurm (``SLURM_NTASKS``), in that order. None when none is set.
+    Raises InvalidArgument naming the variable when its value is not a positive integer."""
+    env = _os.environ if environ is None else environ
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        v = env.get(var)
+        if v is None or v == "":
+            continue
+        if not v.strip().isdigit() or int(v) < 1:
+            raise InvalidArgument(f"environment variable {var}={v!r} is not a positive world size")
+        return int(v)
+    return None
 
 
 def parse_topology(text: str) -> dict:
