@@ -172,6 +172,10 @@ def load_from_resume_config(engine, args, path: str) -> Tuple[int, int, dict]:
     this job's, and calls reshard_load with its checkpoint, step, model, policies and verify."""
     rc = reshard.load_resume_config(path)
     cfg = engine.module.gpt_config
+    if rc["target"] == "auto":
+        # train.elastic_layout chose the layout this job was built with and the step to read.
+        return reshard_load(engine, args, rc["checkpoint"], step=args.load_step, policies=rc["policies"],
+                            model=rc["model"] or None, verify=rc["verify"])
     t = rc["target_topology"]
     live = (cfg.tp, cfg.pp, cfg.dp)
     want = (t["tp"], t["pp"], t["dp"])

@@ -6,6 +6,10 @@ Launch (one process per rank; world size = tp * pp * dp):
         .venv/bin/python -m integration.megatron_deepspeed.train --tp 2 --pp 2 --dp 2 --steps 5 \\
         --log-json /tmp/loss.json
 
+Under torchrun (elastic agents, --nnodes=MIN:MAX) the same command runs as is; with --elastic
+--load ROOT --save ROOT every (re)start picks its layout from the newest complete checkpoint and
+the world size it was given, and reshards it (docs/elastic.md, elastic_demo.py).
+
 mpirun's OMPI_COMM_WORLD_* variables are mapped to RANK/WORLD_SIZE/LOCAL_RANK; MASTER_ADDR defaults
 to 127.0.0.1 and MASTER_PORT to 29500 (set it to run several jobs at once). A single process can also
 be started directly (world size 1).
@@ -208,6 +212,20 @@ def build_parser():
                    help="reshard: policy for tp/pipeline replicas that differ (default error)")
     g.add_argument("--reshard-report", default=None, help="reshard: write the load report (JSON) here (rank 0)")
     g.add_argument("--log-json", default=None)
+    g = p.add_argument_group("elastic resume (a restart at another world size: torchrun --nnodes=MIN:MAX, mpirun)")
+    g.add_argument("--elastic", action="store_true",
+                   help="choose tp/pp/dp from the newest complete checkpoint under --load and the job's world size "
+                        "(--elastic-policy), recompute the micro-batch for the saved global batch, load with reshard; "
+                        "with no checkpoint yet, start at --tp/--pp. A resume config with target: auto does the same")
+    g.add_argument("--elastic-policy", choices=["keep", "list", "refuse"], default="keep",
+                   help="keep: tp and pp stay, dp = world/(tp*pp) (default); list: the first --elastic-allowed that fits; "
+                        "refuse: only the saved world size")
+    g.add_argument("--elastic-allowed", action="append", default=[], metavar="LAYOUT",
+                   help="policy list: a candidate layout such as tp=2,pp=2 (repeat, in order of preference)")
+    g.add_argument("--loss-log", default=None,
+                   help="append one JSON line per step (rank 0): step, loss, world size, layout, restart count")
+    g.add_argument("--die-in-save", type=int, default=None, help=argparse.SUPPRESS)  # tests: SIGKILL a rank mid-save
+    g = p.add_argument_group("output")
     g.add_argument("--quiet", action="store_true")
     g.add_argument("--verbose", action="store_true", help="DeepSpeed INFO logging")
     return p
@@ -311,7 +329,27 @@ def client_state(cfg: M.GPTConfig, args, iteration: int, consumed: int, uc_info:
 
 
 def save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, no_pipeline: bool):
+    if args.die_in_save == iteration and dist.get_rank() == dist.get_world_size() - 1:
+        # A node lost during a save (tests of the elastic restart): this rank is killed (SIGKILL)
+        # when DeepSpeed asks it to write its first file of the step, after the collective tag
+        # check, so the others write theirs (given a few seconds); this rank's files never appear
+        # and `latest` keeps naming the previous step.
+        import signal
+
+        def die(*_args, **_kwargs):
+            time.sleep(5)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        engine.checkpoint_engine.save = die
     state = client_state(cfg, args, iteration, consumed, uc_info)
+    # A folder of this step from an earlier run (a save that did not finish, or one a restart from
+    # an older step now redoes) goes first: DeepSpeed writes file by file into it, and stale files
+    # of another layout would mix with the new ones.
+    stale = os.path.join(args.save, f"global_step{iteration}")
+    if dist.get_rank() == 0 and os.path.isdir(stale):
+        import shutil
+        shutil.rmtree(stale)
+    dist.barrier()
     module = engine.module
     if no_pipeline:
         # Megatron-DeepSpeed (--no-pipeline-parallel) saves the nested Megatron state dict.
@@ -328,6 +366,49 @@ def save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, no_pipeline
         with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
     dist.barrier()
+
+
+def elastic_layout(args, world: int):
+    """--elastic or a resume config with ``target: auto``: sets args.tp, args.pp, args.dp and
+    args.micro_batch for a job of ``world`` ranks from the newest complete checkpoint (reshard's
+    chooser, the policy given) and makes the load read that step with reshard. Returns what was
+    decided, for the log (None when neither asks for it). With no checkpoint yet (the first
+    start: the root is missing or empty), the job starts at --tp/--pp with dp = world/(tp*pp).
+    Raises reshard.InvalidArgument when no layout fits (naming the world size and each layout tried)
+    and reshard.NotFound when the root holds steps but none is complete."""
+    import reshard
+    if args.resume_config:
+        rc = reshard.load_resume_config(args.resume_config)
+        if rc["target"] != "auto":
+            return None
+        root, step = rc["checkpoint"], rc["step"] or "newest"
+        policy, allowed, model = rc["elastic"]["policy"], rc["elastic"]["allowed"], rc["model"] or None
+    elif args.elastic:
+        if not args.load:
+            raise SystemExit("--elastic needs --load ROOT (where the job saves: --save ROOT)")
+        root, step = args.load, args.load_step or "newest"
+        policy, allowed, model = args.elastic_policy, args.elastic_allowed, None
+    else:
+        return None
+    info = {"world_size": world, "policy": policy, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    if not os.path.isdir(root) or not any(not n.startswith(".") for n in os.listdir(root)):
+        args.dp = world // (args.tp * args.pp) if world % (args.tp * args.pp) == 0 else None
+        info.update(checkpoint=None, reason=f"no checkpoint under {root} yet: starting at tp={args.tp},pp={args.pp}")
+        args.load = None
+        return info
+    ckpt = reshard.open_checkpoint(root, step=step, model=model)
+    choice = reshard.choose_layout(ckpt, world, policy=policy, allowed=allowed, global_batch=args.global_batch)
+    t = reshard.parse_topology(choice["target"])
+    if t["vpp"] != 1:
+        raise reshard.InvalidArgument(f"elastic resume chose {choice['target']}; this trainer runs vpp=1 only")
+    args.tp, args.pp, args.dp = t["tp"], t["pp"], t["dp"]
+    batch = reshard.plan_batch(args.global_batch, args.micro_batch, args.dp)
+    args.micro_batch = batch["micro_batch"]
+    args.load, args.load_step, args.load_with = root, os.path.basename(ckpt.path), "reshard"
+    info.update(checkpoint=ckpt.path, saved=ckpt.topology, target=choice["target"], reason=choice["reason"],
+                tried=choice["tried"], micro_batch=batch["micro_batch"], grad_accum=batch["grad_accum"],
+                batch_reason=batch["reason"], notes=[n for n in ckpt.notes if n.startswith(("newest complete step", "skipped step"))])
+    return info
 
 
 def load_with(engine, args):
@@ -351,7 +432,8 @@ def load_with(engine, args):
                 print(f"  rng: {report['rng']}; {report['bit16_check']}", flush=True)
             if args.reshard_report:
                 with open(args.reshard_report, "w") as f:
-                    json.dump({k: v for k, v in report.items() if k != "text"}, f, indent=1)
+                    json.dump({**{k: v for k, v in report.items() if k != "text"},
+                               "elastic": getattr(args, "elastic_choice", None)}, f, indent=1)
         return iteration, consumed
     path, cs = engine.load_checkpoint(args.load, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
@@ -378,6 +460,16 @@ def main(argv=None):
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    elastic = args.elastic_choice = elastic_layout(args, world)
+    if elastic and rank == 0 and not args.quiet:
+        print(f"[elastic] {elastic['reason']}", flush=True)
+        if elastic.get("checkpoint"):
+            print(f"[elastic] step {os.path.basename(elastic['checkpoint'])}: {elastic['saved']} -> {elastic['target']}; "
+                  f"micro-batch {elastic['micro_batch']} x {elastic['grad_accum']} accumulation steps x dp {args.dp} = "
+                  f"global batch {args.global_batch}" + (f" ({elastic['batch_reason']})" if elastic["batch_reason"] else ""),
+                  flush=True)
+            for n in elastic["notes"]:
+                print(f"[elastic] note: {n}", flush=True)
     cfg = config_from_args(args, world)
     if args.no_pipeline:
         if cfg.pp != 1:
@@ -436,7 +528,7 @@ def main(argv=None):
     log = {"config": {**cfg.to_dict(), "zero": args.zero, "no_pipeline": args.no_pipeline,
                       "global_batch": args.global_batch, "micro_batch": mb, "gas": gas, "lr": args.lr,
                       "corpus_sha256": data.corpus_sha256, "start_iteration": iteration},
-           "steps": []}
+           "elastic": elastic, "steps": []}
     if args.save and rank == 0:
         os.makedirs(args.save, exist_ok=True)
 
@@ -465,6 +557,12 @@ def main(argv=None):
             if args.log_json:
                 with open(args.log_json, "w") as f:
                     json.dump(log, f, indent=1)
+            if args.loss_log:
+                with open(args.loss_log, "a") as f:
+                    f.write(json.dumps({"step": iteration, "loss": loss_val, "world_size": world,
+                                        "layout": f"tp={cfg.tp},pp={cfg.pp},dp={cfg.dp}", "micro_batch": mb, "gas": gas,
+                                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                        "start_iteration": log["config"]["start_iteration"]}) + "\n")
         if args.save and args.save_interval and iteration % args.save_interval == 0 and iteration < args.steps:
             save_checkpoint(engine, cfg, args, iteration, consumed, uc_info, args.no_pipeline)
 
