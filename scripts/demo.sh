@@ -5,16 +5,8 @@
 # and a PNG.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
 bash scripts/setup.sh
-export PATH="$ROOT/.venv/bin:$PATH"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the reference trainer (integration/); reshard is installed in .venv
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
-# DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer (~70 MB) in /dev/shm per rank
-# and run; remove the ones this run made, so repeated runs do not fill the machine's memory.
-SHM_MARK=$(mktemp)
-trap 'find /dev/shm -maxdepth 1 -name "deepspeed_allreduce_buffer_*" -newer "$SHM_MARK" -delete 2>/dev/null; rm -f "$SHM_MARK"' EXIT
+source scripts/job_env.sh
 echo "== dry run: GPT-3 175B, tp=8,pp=16,dp=8 -> tp=4,pp=8,dp=32 (ZeRO-1)"
 build/bin/reshard plan --model gpt3-175b --source tp=8,pp=16,dp=8,zero=1 --target tp=4,pp=8,dp=32,zero=1
 if [[ -f integration/megatron_deepspeed/demo.py ]]; then
