@@ -247,7 +247,7 @@ Command convert_command() {
       a->source_step = rc.step;
       a->model = rc.model;
       if (rc.target_auto) {
-        const LayoutChoice c = choose_config_target(rc, a->world_size, a->config, &a->source_step);
+        const LayoutChoice c = choose_config_target(rc, a->world_size, 0, a->config, &a->source_step);
         a->target = c.target.to_string();
         elastic_reason = c.reason + " (step " + a->source_step + ")";
       } else if (a->world_size) {

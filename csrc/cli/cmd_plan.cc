@@ -21,7 +21,9 @@ namespace {
 struct PlanArgs {
   std::string path, step, model, source, target, budget, config;
   int64_t world_size = 0;          // --world-size: with a config whose target is auto
+  int64_t global_batch = 0;        // --global-batch: kept by the chosen layout (0: not checked)
   std::string elastic_reason;      // what choose_layout picked and why
+  std::vector<std::string> elastic_tried;  // the candidates it turned down, and why
   std::vector<int> target_stages;  // layers per target stage (uneven pipeline); empty: uniform
   std::string vocab_padding = "warn";
   bool json = false, no_dedup = false, no_read_rate = false;
@@ -71,6 +73,8 @@ Command plan_command() {
                   "planned as the trainer that reads it would load");
     s->add_option("--world-size", a->world_size,
                   "With --config whose target is auto: the ranks of the restarting job (the elastic policy picks the layout)");
+    s->add_option("--global-batch", a->global_batch,
+                  "With --world-size: the job's global batch, which the chosen layout's dp must divide (as the trainer checks)");
     s->add_option("--target-stages", a->target_stages,
                   "Layers on each target pipeline stage, e.g. 2,1,1 for 4 layers over pp=3 (uneven splits "
                   "as DeepSpeed's PipelineModule makes them; default: equal)")
@@ -100,21 +104,22 @@ Command plan_command() {
       a->step = rc.step;
       a->model = rc.model;
       if (rc.target_auto) {
-        const LayoutChoice c = choose_config_target(rc, a->world_size, a->config, &a->step);
+        const LayoutChoice c = choose_config_target(rc, a->world_size, a->global_batch, a->config, &a->step);
         a->target = c.target.to_string();
         a->elastic_reason = c.reason;
+        a->elastic_tried = c.tried;
       } else {
-        if (a->world_size)
-          fail(ErrorCode::kInvalidArgument, "plan --world-size applies to a config whose target is auto; ", a->config,
-               " names target ", rc.target.to_string());
+        if (a->world_size || a->global_batch)
+          fail(ErrorCode::kInvalidArgument, "plan --world-size and --global-batch apply to a config whose target is auto; ",
+               a->config, " names target ", rc.target.to_string());
         a->target = rc.target.to_string();
       }
       po = rc.plan;
       verify = rc.verify;
     } else {
       if (a->target.empty()) fail(ErrorCode::kInvalidArgument, "plan needs --target LAYOUT (or --config FILE)");
-      if (a->world_size)
-        fail(ErrorCode::kInvalidArgument, "plan --world-size applies to --config FILE whose target is auto");
+      if (a->world_size || a->global_batch)
+        fail(ErrorCode::kInvalidArgument, "plan --world-size and --global-batch apply to --config FILE whose target is auto");
       po.memory_budget = (a->budget.empty() ? (uint64_t(1) << 30) : parse_size(a->budget, "--memory-budget"));
       po.dedup = !a->no_dedup;
       po.refuse_vocab_padding_change = a->vocab_padding == "refuse";
@@ -186,7 +191,8 @@ Command plan_command() {
       }
       if (!a->config.empty()) {
         j["config"] = a->config;
-        if (!a->elastic_reason.empty()) j["elastic"] = {{"world_size", a->world_size}, {"reason", a->elastic_reason}};
+        if (!a->elastic_reason.empty())
+          j["elastic"] = {{"world_size", a->world_size}, {"reason", a->elastic_reason}, {"tried", a->elastic_tried}};
         j["verify"] = verify;
       }
       std::cout << j.dump(2) << std::endl;
@@ -211,6 +217,7 @@ Command plan_command() {
       if (!a->config.empty()) std::printf("  config %s: verify %s\n", a->config.c_str(), verify.c_str());
       if (!a->elastic_reason.empty())
         std::printf("  elastic: %s (step %s)\n", detail::one_line(a->elastic_reason).c_str(), a->step.c_str());
+      for (const auto& t : a->elastic_tried) std::printf("  elastic: turned down %s\n", detail::one_line(t).c_str());
       for (const auto& n : plan.notes) std::printf("  note: %s\n", detail::one_line(n).c_str());
     }
     return 0;

@@ -112,10 +112,13 @@ ResumeConfig read_config_request(const std::string& command, const std::string& 
   return load_resume_config(path);
 }
 
-LayoutChoice choose_config_target(const ResumeConfig& rc, int64_t world, const std::string& path, std::string* step_out) {
-  if (world < 1)
+LayoutChoice choose_config_target(const ResumeConfig& rc, int64_t world, int64_t global_batch, const std::string& path,
+                                  std::string* step_out) {
+  if (world == 0)
     fail(ErrorCode::kInvalidArgument, path, ": target is auto (chosen at restart from the job's world size); give ",
          "--world-size N, the ranks of the job that restarts");
+  if (world < 1) fail(ErrorCode::kInvalidArgument, "--world-size ", world, " must be at least 1");
+  if (global_batch < 0) fail(ErrorCode::kInvalidArgument, "--global-batch ", global_batch, " must be at least 1");
   OpenOptions oo;
   oo.step = rc.step.empty() ? std::string(kNewestStep) : rc.step;
   if (!rc.model.empty()) oo.model_path = resolve_model_path(rc.model);
@@ -134,7 +137,7 @@ LayoutChoice choose_config_target(const ResumeConfig& rc, int64_t world, const s
     return std::string();
   };
   if (step_out) *step_out = io::base_name(ckpt->path());
-  return choose_layout(src.layout.topo, world, p, 0, fits);
+  return choose_layout(src.layout.topo, world, p, global_batch, fits);
 }
 
 }  // namespace reshard::cli

@@ -53,8 +53,10 @@ ResumeConfig read_config_request(const std::string& command, const std::string& 
 
 /// A resume config's `target: auto` (elastic): opens its checkpoint (its step, else the newest
 /// complete one) and returns choose_layout's pick for a job of `world` ranks under the config's
-/// elastic policy, the model asked about each candidate. `step_out` gets the step folder opened.
-/// Error(kInvalidArgument) naming --world-size when `world` < 1 (not given), else choose_layout's.
-LayoutChoice choose_config_target(const ResumeConfig& rc, int64_t world, const std::string& path, std::string* step_out);
+/// elastic policy, the model asked about each candidate and `global_batch` (> 0) kept, as the
+/// trainer's restart would. `step_out` gets the step folder opened. Error(kInvalidArgument)
+/// naming --world-size when `world` is 0 (not given) or below 1, else choose_layout's.
+LayoutChoice choose_config_target(const ResumeConfig& rc, int64_t world, int64_t global_batch, const std::string& path,
+                                  std::string* step_out);
 
 }  // namespace reshard::cli

@@ -153,11 +153,18 @@ BatchPlan plan_batch(int64_t global_batch, int64_t micro_batch, int64_t dp) {
   if (global_batch % dp != 0)
     fail(ErrorCode::kInvalidArgument, "global batch ", global_batch, " is not divisible by dp=", dp,
          ": the saved global batch cannot be kept at this data-parallel size (choose a layout whose dp divides it)");
+  if (global_batch > kMaxGlobalBatch)
+    fail(ErrorCode::kInvalidArgument, "global batch ", global_batch, " is out of range (at most 2^40 samples)");
   BatchPlan b;
   b.global_batch = global_batch;
   const int64_t per_rank = global_batch / dp;
-  int64_t mb = micro_batch < per_rank ? micro_batch : per_rank;
-  while (per_rank % mb != 0) --mb;  // ends at 1 at worst
+  // The largest divisor of per_rank that is at most micro_batch (divisors come in pairs i, per_rank/i).
+  int64_t mb = 1;
+  for (int64_t i = 1; i * i <= per_rank; ++i) {
+    if (per_rank % i != 0) continue;
+    if (i <= micro_batch && i > mb) mb = i;
+    if (per_rank / i <= micro_batch && per_rank / i > mb) mb = per_rank / i;
+  }
   b.micro_batch = mb;
   b.grad_accum = per_rank / mb;
   if (mb != micro_batch)

@@ -64,10 +64,13 @@ struct BatchPlan {
   std::string reason;       // "" when the wanted micro-batch was kept, else what changed and why
 };
 
+/// Largest global batch plan_batch takes (samples per optimizer step).
+constexpr int64_t kMaxGlobalBatch = int64_t(1) << 40;
+
 /// Keeps `micro_batch` when micro_batch * dp divides global_batch; otherwise takes the largest
 /// smaller micro-batch that does (a rank never holds more activations than it was configured for).
-/// Throws Error(kInvalidArgument) naming the global batch and dp when dp does not divide it, and
-/// for a value below 1.
+/// Throws Error(kInvalidArgument) naming the global batch and dp when dp does not divide it, for
+/// a value below 1 and for a global batch above kMaxGlobalBatch.
 BatchPlan plan_batch(int64_t global_batch, int64_t micro_batch, int64_t dp);
 
 }  // namespace reshard

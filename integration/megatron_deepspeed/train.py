@@ -372,8 +372,10 @@ def elastic_layout(args, world: int):
     """--elastic or a resume config with ``target: auto``: sets args.tp, args.pp, args.dp and
     args.micro_batch for a job of ``world`` ranks from the newest complete checkpoint (reshard's
     chooser, the policy given) and makes the load read that step with reshard. Returns what was
-    decided, for the log (None when neither asks for it). With no checkpoint yet (the first
-    start: the root is missing or empty), the job starts at --tp/--pp with dp = world/(tp*pp).
+    decided, for the log (None when neither asks for it). The chosen ZeRO stage replaces --zero
+    (policy keep: the saved one). With no checkpoint yet (the root is missing or empty, or no
+    save ever finished: no latest_checkpointed_iteration.txt, no native step), the job starts at
+    --tp/--pp with dp = world/(tp*pp).
     Raises reshard.InvalidArgument when no layout fits (naming the world size and each layout tried)
     and reshard.NotFound when the root holds steps but none is complete."""
     import reshard
@@ -383,25 +385,44 @@ def elastic_layout(args, world: int):
             return None
         root, step = rc["checkpoint"], rc["step"] or "newest"
         policy, allowed, model = rc["elastic"]["policy"], rc["elastic"]["allowed"], rc["model"] or None
+        if model:  # a path or a preset name under configs/models, as the CLI takes it
+            model = reshard.model_config(model)
     elif args.elastic:
         if not args.load:
             raise SystemExit("--elastic needs --load ROOT (where the job saves: --save ROOT)")
         root, step = args.load, args.load_step or "newest"
         policy, allowed, model = args.elastic_policy, args.elastic_allowed, None
+        if allowed and policy != "list":
+            raise SystemExit("--elastic-allowed is read by --elastic-policy list only")
     else:
         return None
     info = {"world_size": world, "policy": policy, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
-    if not os.path.isdir(root) or not any(not n.startswith(".") for n in os.listdir(root)):
+    def first_start(why):
         args.dp = world // (args.tp * args.pp) if world % (args.tp * args.pp) == 0 else None
-        info.update(checkpoint=None, reason=f"no checkpoint under {root} yet: starting at tp={args.tp},pp={args.pp}")
+        info.update(checkpoint=None, reason=f"{why}: starting at tp={args.tp},pp={args.pp}")
         args.load = None
         return info
-    ckpt = reshard.open_checkpoint(root, step=step, model=model)
+
+    if not os.path.isdir(root) or not any(not n.startswith(".") for n in os.listdir(root)):
+        return first_start(f"no checkpoint under {root} yet")
+    try:
+        ckpt = reshard.open_checkpoint(root, step=step, model=model)
+    except (reshard.NotFound, reshard.InvalidArgument, reshard.DataLoss) as e:
+        # A finished save leaves latest_checkpointed_iteration.txt (this trainer and Megatron write
+        # it after every rank's files); native saves are atomic. With neither, no save ever
+        # finished, and what is there is the first one, cut short: starting over is what a kill a
+        # moment earlier would have left. DeepSpeed's own `latest` proves nothing: its rank 0
+        # writes it without waiting for the other ranks' files.
+        finished = os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt")) or \
+            any(os.path.isfile(os.path.join(root, n, "metadata.json")) for n in os.listdir(root))
+        if finished:
+            raise
+        return first_start(f"no save under {root} ever finished (the first was cut short: {e})")
     choice = reshard.choose_layout(ckpt, world, policy=policy, allowed=allowed, global_batch=args.global_batch)
     t = reshard.parse_topology(choice["target"])
     if t["vpp"] != 1:
         raise reshard.InvalidArgument(f"elastic resume chose {choice['target']}; this trainer runs vpp=1 only")
-    args.tp, args.pp, args.dp = t["tp"], t["pp"], t["dp"]
+    args.tp, args.pp, args.dp, args.zero = t["tp"], t["pp"], t["dp"], t["zero"]
     batch = reshard.plan_batch(args.global_batch, args.micro_batch, args.dp)
     args.micro_batch = batch["micro_batch"]
     args.load, args.load_step, args.load_with = root, os.path.basename(ckpt.path), "reshard"

@@ -756,17 +756,30 @@ def choose_layout(saved: Union[str, "Checkpoint"], world_size: int, *, policy: s
 
     Returns ``{"target": topology string, "reason": one sentence, "tried": [rejected candidate
     and why]}``. Raises InvalidArgument naming the world size, the policy and every candidate
-    tried with its reason when none fits (before anything is read or written)."""
+    tried with its reason when none fits (before anything is read or written), for ``allowed``
+    with a policy other than "list", and for a world size or global batch that is not an int."""
     if isinstance(saved, Checkpoint):
         if model is None:
             model = saved.model
         saved = saved.topology
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise InvalidArgument(f"choose_layout: world_size must be an int, got {world_size!r}")
-    if isinstance(allowed, str):
-        raise InvalidArgument("choose_layout: allowed is a list of layout strings, not one string")
-    return _C.choose_layout(str(saved), int(world_size), str(policy), [str(a) for a in allowed], int(global_batch),
+    world_size = _count("choose_layout", "world_size", world_size)
+    global_batch = _count("choose_layout", "global_batch", global_batch, low=0)
+    allowed = () if allowed is None else allowed
+    if isinstance(allowed, str) or not all(isinstance(a, str) for a in allowed):
+        raise InvalidArgument(f"choose_layout: allowed is a list of layout strings such as 'tp=2,pp=2', got {allowed!r}")
+    if allowed and policy != "list":
+        raise InvalidArgument(f"choose_layout: allowed layouts are given with policy '{policy}', which does not read "
+                              "them; pass policy='list'")
+    return _C.choose_layout(str(saved), world_size, str(policy), list(allowed), global_batch,
                             None if model is None else model_config(model))
+
+
+def _count(what: str, name: str, v, low: int = 1, high: int = 2**62) -> int:
+    """``v`` as a plain int in [low, high]; InvalidArgument naming ``name`` otherwise (bools,
+    floats and strings are refused, not converted)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise InvalidArgument(f"{what}: {name} must be an integer in [{low}, {high}], got {v!r}")
+    return v
 
 
 def plan_batch(global_batch: int, micro_batch: int, dp: int) -> dict:
@@ -775,21 +788,23 @@ def plan_batch(global_batch: int, micro_batch: int, dp: int) -> dict:
     with micro_batch * grad_accum * dp == global_batch. ``micro_batch`` is kept when it divides
     the samples per rank, else the largest smaller one that does ("reason" says so; "" when kept).
     Raises InvalidArgument naming the global batch and dp when dp does not divide it."""
-    return _C.plan_batch(int(global_batch), int(micro_batch), int(dp))
+    return _C.plan_batch(_count("plan_batch", "global_batch", global_batch),
+                         _count("plan_batch", "micro_batch", micro_batch), _count("plan_batch", "dp", dp))
 
 
 def world_size_of_job(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """The world size the launcher gave this process, before any process group exists: torchrun
     and torch.distributed's env:// (``WORLD_SIZE``), Open MPI (``OMPI_COMM_WORLD_SIZE``), MPICH /
     Intel MPI (``PMI_SIZE``), Slurm (``SLURM_NTASKS``), in that order. None when none is set.
-    Raises InvalidArgument naming the variable when its value is not a positive integer."""
+    Raises InvalidArgument naming the variable when its value is not an integer in 1..65536."""
     env = _os.environ if environ is None else environ
     for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         v = env.get(var)
         if v is None or v == "":
             continue
-        if not v.strip().isdigit() or int(v) < 1:
-            raise InvalidArgument(f"environment variable {var}={v!r} is not a positive world size")
+        s = v.strip()
+        if not (s.isascii() and s.isdigit()) or not 1 <= int(s) <= 65536:
+            raise InvalidArgument(f"environment variable {var}={v!r} is not a world size (1..65536)")
         return int(v)
     return None
 

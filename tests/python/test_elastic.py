@@ -50,6 +50,14 @@ def test_list_policy_asks_the_checkpoints_model(root):
         reshard.choose_layout(ckpt, 4, policy="list", allowed="tp=2")
     with pytest.raises(reshard.InvalidArgument, match="'grow' is unknown"):
         reshard.choose_layout(ckpt, 4, policy="grow")
+    with pytest.raises(reshard.InvalidArgument, match="which does not read them; pass policy='list'"):
+        reshard.choose_layout(ckpt, 4, allowed=["tp=2"])
+    for bad in (2**70, 4.0, True, "4"):
+        with pytest.raises(reshard.InvalidArgument, match="world_size must be an integer"):
+            reshard.choose_layout(ckpt, bad)
+    with pytest.raises(reshard.InvalidArgument, match="global_batch must be an integer"):
+        reshard.choose_layout(ckpt, 4, global_batch=4.7)
+    assert reshard.choose_layout(ckpt, 4, allowed=None)["target"] == "tp=2,pp=2,vpp=1,dp=1,zero=1"
     with pytest.raises(reshard.InvalidArgument, match="only the saved world size 8"):
         reshard.choose_layout(ckpt, 4, policy="refuse")
 
@@ -64,6 +72,14 @@ def test_global_batch_is_kept_or_the_restart_refused():
     assert (b["micro_batch"], b["grad_accum"], b["reason"]) == (2, 2, "")
     with pytest.raises(reshard.InvalidArgument, match="global batch 8 is not divisible by dp=3"):
         reshard.plan_batch(8, 2, 3)
+    # Large values: the divisor search is bounded, the range is named.
+    b = reshard.plan_batch(2**40, 2**39 - 1, 1)
+    assert b["micro_batch"] == 2**38 and b["grad_accum"] == 4
+    with pytest.raises(reshard.InvalidArgument, match=r"out of range \(at most 2\^40 samples\)"):
+        reshard.plan_batch(2**40 + 2, 2, 2)
+    for bad in ((8.9, 2, 2), ("8", 2, 2), (8, True, 2), (2**70, 1, 1)):
+        with pytest.raises(reshard.InvalidArgument, match="must be an integer"):
+            reshard.plan_batch(*bad)
 
 
 def test_world_size_of_job():
@@ -75,6 +91,9 @@ def test_world_size_of_job():
         reshard.world_size_of_job({"WORLD_SIZE": "four"})
     with pytest.raises(reshard.InvalidArgument, match="PMI_SIZE='0'"):
         reshard.world_size_of_job({"PMI_SIZE": "0"})
+    for odd in ("\u00b2", "\u0664", "9" * 30):
+        with pytest.raises(reshard.InvalidArgument, match="not a world size"):
+            reshard.world_size_of_job({"WORLD_SIZE": odd})
 
 
 def test_newest_skips_a_save_that_did_not_finish(root):
@@ -97,6 +116,20 @@ def test_newest_does_not_hide_a_model_disagreement(root):
     other = dict(TINY, hidden=32, ffn=64)
     with pytest.raises(reshard.InvalidArgument, match="disagrees with the model"):
         reshard.open_checkpoint(str(root), step="newest", model=other)
+    # A model file that is not there is that file's error, not "no complete step".
+    with pytest.raises(reshard.NotFound, match="no-such-model.yaml") as e:
+        reshard.open_checkpoint(str(root), step="newest", model=str(root / "no-such-model.yaml"))
+    assert "no complete step" not in str(e.value)
+
+
+def test_newest_orders_step_folders_by_number_and_unnumbered_first(tmp_path):
+    m = reshard.model_config(TINY)
+    for names, newest in ((["a-12", "m", "z-4"], "a-12"), (["iter_0000004", "iter_0000008", "release"], "iter_0000008"),
+                          (["step-4", "step-8", "zz-final"], "step-8")):
+        root = tmp_path / names[0]
+        for n in names:
+            reshard.synth_checkpoint(str(root), m, SAVED, 5, n)
+        assert os.path.basename(reshard.open_checkpoint(str(root), step="newest").path) == newest, names
 
 
 def test_a_folder_named_newest_is_a_step_name(tmp_path):
@@ -155,15 +188,30 @@ def test_cli_plan_of_a_target_auto_config(root, tmp_path):
     j = json.loads(r.stdout)
     assert j["target_layout"] == "tp=2,pp=2,vpp=1,dp=1,zero=1", j["target_layout"]
     assert j["elastic"] == {"world_size": 4, "reason": "world size 8 -> 4: allowed[0] tp=2,pp=2,vpp=1,dp=1,zero=1, "
-                            "the first allowed layout that fits (policy list)"}
+                            "the first allowed layout that fits (policy list)", "tried": []}
+    # The trainer's global batch turns layouts down as its restart would: at 8 ranks tp=2,pp=2
+    # takes dp=2 and tp=1,pp=2 dp=4, and a global batch of 6 keeps only the first, of 7 neither.
+    j = json.loads(plan("--world-size", "8", "--global-batch", "6", "--json").stdout)
+    assert j["target_layout"] == "tp=2,pp=2,vpp=1,dp=2,zero=1", j
+    j = json.loads(plan("--world-size", "8", "--global-batch", "12", "--json").stdout)
+    assert j["target_layout"] == "tp=2,pp=2,vpp=1,dp=2,zero=1", j
+    r = plan("--world-size", "8", "--global-batch", "7")
+    assert r.returncode == 2 and "global batch 7 is not divisible by dp=2" in r.stderr, r.stderr
+    assert "global batch 7 is not divisible by dp=4" in r.stderr, r.stderr
+    r = plan("--world-size", "4", "--global-batch", "8")
+    assert r.returncode == 0 and "elastic: world size 8 -> 4" in r.stdout, r.stderr
     j = json.loads(plan("--world-size", "2", "--json").stdout)
     assert j["target_layout"] == "tp=1,pp=2,vpp=1,dp=1,zero=1", j
     assert "allowed[1]" in j["elastic"]["reason"] and "1 turned down before it" in j["elastic"]["reason"], j
+    assert j["elastic"]["tried"] == ["allowed[0] tp=2,pp=2,vpp=1,dp=0,zero=1: world size 2 is not a multiple of tp*pp = 4"]
+    assert "elastic: turned down allowed[0]" in plan("--world-size", "2").stdout
     r = plan("--world-size", "4")
     assert "elastic: world size 8 -> 4" in r.stdout and "(step step-4)" in r.stdout, r.stdout
     r = plan()
     assert r.returncode == 2 and "give --world-size N" in r.stderr, r.stderr
+    r = plan("--world-size", "-4")
+    assert r.returncode == 2 and "--world-size -4 must be at least 1" in r.stderr, r.stderr
     r = plan("--world-size", "3")
     assert r.returncode == 2 and "no layout fits world size 3" in r.stderr, r.stderr
     r = subprocess.run([CLI, "plan", str(root), "--target", "tp=1", "--world-size", "4"], capture_output=True, text=True)
-    assert r.returncode == 2 and "--world-size applies to --config" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--world-size and --global-batch apply to --config" in r.stderr, r.stderr

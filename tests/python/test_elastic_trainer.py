@@ -162,3 +162,27 @@ def test_resume_config_target_auto_with_an_allowed_list(tmp_path, shm_mark):
     assert rep["elastic"]["target"] == "tp=1,pp=2,vpp=1,dp=1,zero=1"
     assert rep["elastic"]["tried"][0].startswith("allowed[0] tp=4,pp=1,vpp=1,dp=0,zero=1: world size 2")
     assert rep["change"].startswith("tp 2->1"), rep["change"]
+
+
+def test_first_save_cut_short_starts_over_with_a_note(tmp_path, shm_mark):
+    tmp = str(tmp_path)
+    root = os.path.join(tmp, "ckpt")
+    common = ["--tp", "2", "--pp", "1", "--elastic", "--load", root, "--save", root, "--steps", "2"] + MODEL
+    r, cmd = mpirun_ranks("train", 4, common + ["--die-in-save", "2", "--quiet"], 600)
+    assert os.path.isdir(os.path.join(root, "global_step2"))
+    assert not os.path.exists(os.path.join(root, "global_step2", "zero_pp_rank_1_mp_rank_01_optim_states.pt"))
+    assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
+    # DeepSpeed's rank 0 wrote `latest` without waiting for the others: it names the unfinished step.
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read().strip() == "global_step2"
+    # No save ever finished: the restart starts over, and says why, instead of refusing forever.
+    r, cmd = mpirun_ranks("train", 2, common, 600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
+    assert f"[elastic] no save under {root} ever finished (the first was cut short: " in r.stdout, r.stdout[-3000:]
+    assert "[train] step 1 loss" in r.stdout
+    # Once a save finished, an unreadable newest step is never a reason to start over.
+    assert latest_iteration(root) == 2
+    shutil.rmtree(os.path.join(root, "global_step2"))
+    os.makedirs(os.path.join(root, "global_step2"))
+    r, cmd = mpirun_ranks("train", 2, common + ["--steps", "3"], 600)
+    assert r.returncode != 0 and "[train] step" not in r.stdout

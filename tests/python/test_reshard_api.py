@@ -536,7 +536,11 @@ def test_resume_configs():
     assert files
     for f in files:
         rc = reshard.load_resume_config(os.path.join(d, f))
-        assert rc["checkpoint"] and rc["target_topology"]["tp"] >= 1
+        assert rc["checkpoint"]
+        if rc["target"] == "auto":  # chosen at restart (docs/elastic.md)
+            assert rc["target_topology"] is None and rc["elastic"]["policy"] in ("keep", "list", "refuse"), f
+        else:
+            assert rc["target_topology"]["tp"] >= 1 and rc["elastic"] == {"policy": "keep", "allowed": []}, f
         assert rc["policies"]["replicas"] in ("error", "first")
     rc = reshard.load_resume_config(os.path.join(d, "demo_tp1_pp2_dp4.yaml"))
     assert (rc["target_topology"]["tp"], rc["target_topology"]["pp"], rc["target_topology"]["dp"]) == (1, 2, 4)

@@ -1161,5 +1161,39 @@ TEST(DeepSpeedReader, FullVerifyChecksTheFlatPartitionRecordBeforeAnyWrite) {
   fs::remove_all(fs::path(good).parent_path());
 }
 
+// The newest complete step of a DeepSpeed root: a newer step whose save did not finish is
+// skipped with a note naming why, whatever the unfinished file looks like (missing, empty,
+// zero-filled, cut short), never loaded; `latest` naming it changes nothing.
+TEST(DeepSpeedReader, NewestSkipsEveryKindOfUnfinishedSave) {
+  REQUIRE_FIXTURE("pipe_pp1_tp1_dp2_z1_fp32");
+  const std::string done = copy_step("pipe_pp1_tp1_dp2_z1_fp32", "newest");
+  const std::string root = fs::path(done).parent_path().string();
+  const std::string newer = root + "/global_step99";
+  const std::string victim = "zero_pp_rank_1_mp_rank_00_optim_states.pt";
+  const uint64_t full_size = fs::file_size(done + "/" + victim);
+  const std::vector<std::pair<const char*, std::function<void(const std::string&)>>> damage = {
+      {"missing", [](const std::string& p) { fs::remove(p); }},
+      {"0 bytes", [](const std::string& p) { fs::resize_file(p, 0); }},
+      {"zero-filled", [&](const std::string& p) {
+         std::ofstream(p, std::ios::binary | std::ios::trunc) << std::string(size_t(full_size), '\0');
+       }},
+      {"cut short", [&](const std::string& p) { fs::resize_file(p, full_size / 2); }},
+  };
+  for (const auto& [what, hurt] : damage) {
+    fs::remove_all(newer);
+    fs::copy(done, newer, fs::copy_options::recursive);
+    hurt(newer + "/" + victim);
+    std::ofstream(root + "/latest") << "global_step99";
+    OpenOptions o;
+    o.step = kNewestStep;
+    auto r = open_checkpoint(root, o);
+    EXPECT_EQ(fs::path(r->path()).filename(), fs::path(done).filename()) << what;
+    bool noted = false;
+    for (const auto& n : r->notes()) noted |= n.rfind("skipped step global_step99, not complete", 0) == 0;
+    EXPECT_TRUE(noted) << what;
+  }
+  fs::remove_all(root);
+}
+
 }  // namespace
 }  // namespace reshard

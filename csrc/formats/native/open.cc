@@ -67,11 +67,14 @@ std::vector<std::string> list_steps(const std::string& root) {
     const std::string d = io::join(root, n);
     if (io::is_dir(d) && (is_native_step(d) || is_deepspeed_step(d))) steps.push_back(n);
   }
-  std::stable_sort(steps.begin(), steps.end(), [](const std::string& a, const std::string& b) {
+  // A total order: folders without a step number first (they cannot be placed in time), then by
+  // number, then by name; "newest" tries the last first.
+  std::sort(steps.begin(), steps.end(), [](const std::string& a, const std::string& b) {
     unsigned long long x = 0, y = 0;
-    bool hx = trailing_number(a, &x), hy = trailing_number(b, &y);
-    if (hx && hy && x != y) return x < y;
-    return false;
+    const bool hx = trailing_number(a, &x), hy = trailing_number(b, &y);
+    if (hx != hy) return !hx;
+    if (hx && x != y) return x < y;
+    return a < b;
   });
   return steps;
 }
@@ -136,7 +139,10 @@ std::string incomplete_reason(const CheckpointReader& r) {
 
 // The newest complete step of a root (OpenOptions::newest_complete).
 std::unique_ptr<CheckpointReader> open_newest_complete(const std::string& root, const std::vector<std::string>& steps,
-                                                       const OpenOptions& opt, const std::string& latest_names) {
+                                                       const OpenOptions& given, const std::string& latest_names) {
+  // The model file is read first: its own errors (a missing file) are not a step's.
+  const OpenOptions& opt = given;
+  if (gives_model(opt)) (void)given_model(opt);
   std::vector<std::string> skipped;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     std::vector<std::string> notes = skipped;

@@ -1,4 +1,5 @@
 // torch.save archive = ZIP directory + data.pkl + data/<key> records (formats.md section 5).
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <unordered_map>
@@ -108,6 +109,11 @@ TorchArchive open_torch_archive(const ByteSource& src, const std::string& path,
   const size_t head_len = size_t(std::min<uint64_t>(src.size(), sizeof head));
   src.read(0, head_len, head);
   if (head_len < 4 || std::memcmp(head, "PK\x03\x04", 4) != 0) {
+    // An empty or zero-filled file is one whose write never happened (a rank killed after
+    // creating it, space allocated but not written): data lost, not a file of another kind.
+    if (src.size() == 0) fail(ErrorCode::kDataLoss, path, ": empty file (0 bytes; a save that did not finish?)");
+    if (std::all_of(head, head + head_len, [](uint8_t b) { return b == 0; }))
+      fail(ErrorCode::kDataLoss, path, ": starts with zero bytes, not a ZIP local header (a write that did not finish?)");
     if (is_legacy(head, head_len))
       fail(ErrorCode::kUnsupported, path,
            ": legacy torch serialization; re-save with torch.save(obj, path) under torch >= 1.6");
