@@ -139,16 +139,15 @@ std::string incomplete_reason(const CheckpointReader& r) {
 
 // The newest complete step of a root (OpenOptions::newest_complete).
 std::unique_ptr<CheckpointReader> open_newest_complete(const std::string& root, const std::vector<std::string>& steps,
-                                                       const OpenOptions& given, const std::string& latest_names) {
+                                                       const OpenOptions& opt, const std::string& latest_names) {
   // The model file is read first: its own errors (a missing file) are not a step's.
-  const OpenOptions& opt = given;
   if (gives_model(opt)) (void)given_model(opt);
   std::vector<std::string> skipped;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     std::vector<std::string> notes = skipped;
     notes.push_back("newest complete step: " + *it +
                     (latest_names.empty() || latest_names == *it ? std::string()
-                                                                 : " (`latest` names " + latest_names + ")"));
+                                                                 : " (`latest` names " + latest_names.substr(0, 64) + ")"));
     std::string why;
     try {
       auto r = open_step(io::join(root, *it), opt, notes);
