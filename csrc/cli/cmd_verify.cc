@@ -68,7 +68,7 @@ Command verify_command() {
       problems = verify_all(*ckpt);
       progress.stage("coverage");
       for (const auto& n : ckpt->notes())
-        if (n.rfind("missing data file ", 0) == 0 || n.rfind("missing file: ", 0) == 0) missing.push_back(n);
+        if (is_missing_file_note(n)) missing.push_back(n);
       // Coverage at pp=1, dp=1, zero=0 and the checkpoint's own tp: every element of every
       // tensor must come from some file. Keeping tp keeps partial_sum tensors (summed over tp,
       // which a tp change would need and reshard does not do) checkable.

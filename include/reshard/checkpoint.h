@@ -133,6 +133,11 @@ struct OpenOptions {
   std::optional<ModelConfig> model;
 };
 
+/// Whether a reader's note says that a file the checkpoint names is missing (native "missing data
+/// file ...", DeepSpeed "missing file: ..."): what `reshard verify` lists as missing and what makes
+/// a step incomplete for OpenOptions::newest_complete.
+bool is_missing_file_note(const std::string& note);
+
 /// Whether `opt` gives a model description (model or model_path).
 bool gives_model(const OpenOptions& opt);
 /// The description `opt` gives: `model`, else the YAML at model_path (load_model_config's errors).

@@ -54,17 +54,10 @@ def shm_mark(tmp_path):
             pass
 
 
-read_jsonl = elastic_demo.read_jsonl
-
-
 def reference_losses(tmp, steps):
     losses = elastic_demo.baseline(tmp, steps, 600)
     assert sorted(losses) == list(range(1, steps + 1))
     return losses
-
-
-def latest_iteration(root):
-    return elastic_demo.latest_iteration(root)
 
 
 def assert_matches_reference(steps, ref):
@@ -111,7 +104,7 @@ def test_rank_killed_during_a_save_then_elastic_restart(tmp_path, shm_mark):
               "--steps", "9", "--loss-log", log] + MODEL
     # 8 ranks; at the save of step 6 the last rank is killed (SIGKILL) before writing its files.
     r, cmd = mpirun_ranks("train", 8, common + ["--die-in-save", "6", "--quiet"], 600)
-    assert latest_iteration(root) == 3, r.stdout[-2000:] + r.stderr[-3000:]
+    assert elastic_demo.latest_iteration(root) == 3, r.stdout[-2000:] + r.stderr[-3000:]
     assert os.path.isdir(os.path.join(root, "global_step6")), "the killed save left its folder"
     assert not os.path.exists(os.path.join(root, "global_step6", "zero_pp_rank_1_mp_rank_03_optim_states.pt"))
     # An incomplete step folder is never loaded, even when `latest` names it.
@@ -122,7 +115,7 @@ def test_rank_killed_during_a_save_then_elastic_restart(tmp_path, shm_mark):
     assert "[elastic] world size 8 -> 4: kept tp=2, pp=2, ZeRO-1; dp 2 -> 1 (policy keep)" in r.stdout
     assert "[elastic] note: skipped step global_step6, not complete" in r.stdout, r.stdout[-3000:]
     assert "[elastic] step global_step3: tp=2,pp=2,vpp=1,dp=2,zero=1 -> tp=2,pp=2,vpp=1,dp=1,zero=1" in r.stdout
-    steps = read_jsonl(log)
+    steps = elastic_demo.read_jsonl(log)
     after = [s for s in steps if s["world_size"] == 4]
     assert [s["step"] for s in after] == list(range(4, 10))
     assert_matches_reference(steps, ref)
@@ -155,7 +148,7 @@ def test_resume_config_target_auto_with_an_allowed_list(tmp_path, shm_mark):
                                        "--reshard-report", report] + MODEL, 600)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
     assert "[elastic] world size 4 -> 2: allowed[1] tp=1,pp=2,vpp=1,dp=1,zero=1" in r.stdout, r.stdout[-3000:]
-    steps = read_jsonl(log)
+    steps = elastic_demo.read_jsonl(log)
     assert [(s["step"], s["layout"], s["gas"]) for s in steps] == [(4, "tp=1,pp=2,dp=1", 4), (5, "tp=1,pp=2,dp=1", 4)]
     with open(report) as f:
         rep = json.load(f)
@@ -181,7 +174,7 @@ def test_first_save_cut_short_starts_over_with_a_note(tmp_path, shm_mark):
     assert f"[elastic] no save under {root} ever finished (the first was cut short: " in r.stdout, r.stdout[-3000:]
     assert "[train] step 1 loss" in r.stdout
     # Once a save finished, an unreadable newest step is never a reason to start over.
-    assert latest_iteration(root) == 2
+    assert elastic_demo.latest_iteration(root) == 2
     shutil.rmtree(os.path.join(root, "global_step2"))
     os.makedirs(os.path.join(root, "global_step2"))
     r, cmd = mpirun_ranks("train", 2, common + ["--steps", "3"], 600)

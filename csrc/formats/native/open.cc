@@ -126,7 +126,7 @@ std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOp
 // or some tensor's elements are covered by no file (a save killed before every rank wrote).
 std::string incomplete_reason(const CheckpointReader& r) {
   for (const auto& n : r.notes())
-    if (n.rfind("missing data file ", 0) == 0 || n.rfind("missing file: ", 0) == 0) return n;
+    if (is_missing_file_note(n)) return n;
   const SourceLayout& src = r.source();
   Topology t1;
   t1.tp = src.layout.topo.tp;
@@ -169,6 +169,10 @@ std::unique_ptr<CheckpointReader> open_newest_complete(const std::string& root, 
 }
 
 }  // namespace
+
+bool is_missing_file_note(const std::string& note) {
+  return note.rfind("missing data file ", 0) == 0 || note.rfind("missing file: ", 0) == 0;
+}
 
 bool gives_model(const OpenOptions& opt) { return opt.model.has_value() || !opt.model_path.empty(); }
 
