@@ -1,5 +1,6 @@
 #include "reshard/consolidate.h"
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_map>
 
@@ -14,8 +15,58 @@ std::vector<std::string> inferred_tensors(const SourceLayout& source) {
   return unmatched;
 }
 
+namespace {
+
+// layout_like for a layout given box by box (a DCP checkpoint): what an FSDP2 job of the
+// target's world size holds, each tensor's dim 0 cut as torch.chunk cuts it (ceil(rows / world)
+// rows per rank, the last ranks short or empty), in the source's dtypes.
+Layout chunked_like(const Layout& S, const Topology& target, const LikeOptions& o) {
+  target.validate();
+  if (target.tp != 1 || target.pp != 1 || target.vpp != 1)
+    fail(ErrorCode::kInvalidArgument, S.model.name, " records no tensor-parallel or pipeline rules for its tensors, so ",
+         target.to_string(), " cannot be derived from it; give a dp-only layout (dp=N: dim 0 of each tensor cut "
+         "as FSDP2 cuts it) or load into the live module (reshard.torch.load)");
+  std::vector<ExplicitArray> arrays;
+  std::vector<ExplicitBuffer> buffers;
+  const int world = target.world_size();
+  for (size_t i = 0; i < S.arrays.size(); ++i) {
+    const LogicalArray& a = S.arrays[i];
+    if (!o.optimizer && a.state != StateKind::kWeight) continue;
+    DType dt = DType::F32;
+    for (const Piece& p : S.pieces)
+      if (p.array == int32_t(i)) {
+        dt = S.buffers[size_t(p.buffer)].dtype;
+        break;
+      }
+    ExplicitArray e;
+    e.tensor = a.tensor;
+    e.state = a.state;
+    e.shape.assign(a.shape.begin(), a.shape.begin() + a.ndim);
+    const int32_t idx = int32_t(arrays.size());
+    arrays.push_back(e);
+    const int64_t rows = e.shape[0], per = (rows + world - 1) / world;
+    for (int r = 0; r < world; ++r) {
+      const int64_t lo = std::min(rows, per * r), hi = std::min(rows, per * (r + 1));
+      ExplicitBuffer b;
+      b.name = std::string(state_kind_name(a.state)) + "/" + a.tensor;
+      b.rank = r;
+      b.dtype = dt;
+      b.array = idx;
+      b.offsets.assign(size_t(a.ndim), 0);
+      b.sizes = e.shape;
+      b.offsets[0] = lo;
+      b.sizes[0] = hi - lo;
+      buffers.push_back(b);
+    }
+  }
+  return explicit_layout(S.model.name, target, arrays, buffers);
+}
+
+}  // namespace
+
 Layout layout_like(const SourceLayout& source, const Topology& target, const LikeOptions& o) {
   const Layout& S = source.layout;
+  if (S.explicit_boxes) return chunked_like(S, target, o);
   ModelConfig cfg = S.model;
   if (!o.qkv_order.empty()) {
     if (o.qkv_order != "interleaved" && o.qkv_order != "blocked")

@@ -711,3 +711,90 @@ std::string overlapping_buffers(const Layout& L, int rank, const std::vector<con
 }
 
 }  // namespace reshard
+
+namespace reshard {
+
+Layout explicit_layout(const std::string& name, const Topology& topo, const std::vector<ExplicitArray>& arrays,
+                       const std::vector<ExplicitBuffer>& buffers) {
+  topo.validate();
+  if (topo.tp != 1 || topo.pp != 1 || topo.vpp != 1)
+    fail(ErrorCode::kInvalidArgument, name, ": a layout given box by box counts ranks only (dp); got ", topo.to_string());
+  Layout L;
+  L.topo = topo;
+  L.model.name = name;
+  L.explicit_boxes = true;
+  std::set<std::pair<std::string, int>> seen;
+  std::set<std::string> specs;
+  for (const ExplicitArray& a : arrays) {
+    const std::string what = name + ": tensor " + a.tensor + " (" + state_kind_name(a.state) + ")";
+    if (a.shape.empty() || a.shape.size() > size_t(kMaxDims))
+      fail(ErrorCode::kInvalidArgument, what, " has ", a.shape.size(), " dims; 1..", kMaxDims, " are supported");
+    if (!seen.insert({a.tensor, int(a.state)}).second) fail(ErrorCode::kInvalidArgument, what, " is listed twice");
+    int64_t n = 1;
+    for (int64_t d : a.shape) {
+      if (d < 0 || d > kMaxModelParameters)
+        fail(ErrorCode::kInvalidArgument, what, ": dim ", d, " outside [0, 2^44]");
+      n = d == 0 ? 0 : n;
+      if (n > 0 && d > 0 && n > kMaxModelParameters / d)
+        fail(ErrorCode::kInvalidArgument, what, ": more than 2^44 elements");
+      n *= d;
+    }
+    LogicalArray la;
+    la.tensor = a.tensor;
+    la.state = a.state;
+    la.ndim = int(a.shape.size());
+    for (int d = 0; d < la.ndim; ++d) la.shape[d] = a.shape[size_t(d)];
+    L.arrays.push_back(la);
+    if (specs.insert(a.tensor).second) {
+      TensorSpec t;
+      t.name = a.tensor;
+      t.shape = a.shape;
+      L.tensors.push_back(t);
+    } else {
+      for (const TensorSpec& t : L.tensors)
+        if (t.name == a.tensor && t.shape != a.shape)
+          fail(ErrorCode::kInvalidArgument, what, " has another shape than the tensor's other states");
+    }
+  }
+  std::set<std::pair<int, std::string>> names;
+  for (const ExplicitBuffer& b : buffers) {
+    const std::string what = name + ": buffer " + b.name + " of rank " + std::to_string(b.rank);
+    if (b.array < 0 || size_t(b.array) >= L.arrays.size())
+      fail(ErrorCode::kInvalidArgument, what, " names tensor index ", b.array, " of ", L.arrays.size());
+    if (b.rank < 0 || b.rank >= topo.world_size())
+      fail(ErrorCode::kInvalidArgument, what, ": rank outside [0, ", topo.world_size(), ")");
+    if (!names.insert({b.rank, b.name}).second) fail(ErrorCode::kInvalidArgument, what, " is listed twice");
+    const LogicalArray& a = L.arrays[size_t(b.array)];
+    if (int(b.offsets.size()) != a.ndim || int(b.sizes.size()) != a.ndim)
+      fail(ErrorCode::kInvalidArgument, what, ": a box of ", b.offsets.size(), " offsets and ", b.sizes.size(),
+           " sizes for ", a.tensor, " of ", a.ndim, " dims");
+    Piece p;
+    p.array = b.array;
+    p.buffer = int32_t(L.buffers.size());
+    p.box.ndim = a.ndim;
+    for (int d = 0; d < a.ndim; ++d) {
+      const int64_t o = b.offsets[size_t(d)], n = b.sizes[size_t(d)];
+      if (o < 0 || n < 0 || o > a.shape[d] || n > a.shape[d] - o)
+        fail(ErrorCode::kInvalidArgument, what, ": dim ", d, " [", o, ", ", o, " + ", n, ") outside ", a.tensor,
+             "'s ", a.shape[d]);
+      p.box.off[d] = o;
+      p.box.len[d] = n;
+    }
+    int64_t stride = 1;
+    for (int d = a.ndim - 1; d >= 0; --d) {
+      p.strides[d] = stride;
+      stride *= p.box.len[d];
+    }
+    Buffer buf;
+    buf.name = b.name;
+    buf.rank = b.rank;
+    buf.dtype = b.dtype;
+    buf.numel = p.box.numel();
+    buf.state = a.state;
+    L.buffers.push_back(buf);
+    if (buf.numel > 0) L.pieces.push_back(p);
+  }
+  return L;
+}
+
+}  // namespace reshard

@@ -363,6 +363,11 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   plan.source_topo = S.topo;
   plan.target_topo = target.topo;
   plan.change = describe_change(S.topo, target.topo);
+  // Layouts given box by box (DCP chunks, a live module's DTensor shards) are not described by
+  // their topologies: two with one world size may cut every tensor differently.
+  if (S.explicit_boxes || target.explicit_boxes)
+    plan.change = "tensors re-cut box by box (" + std::to_string(S.topo.world_size()) + " -> " +
+                  std::to_string(target.topo.world_size()) + " ranks)";
   plan.world_size = target.topo.world_size();
   const int W = plan.world_size;
 

@@ -39,7 +39,10 @@ struct LikeOptions {
 /// another topology, with the param groups derive_layout would build. Tensors that no layout rule
 /// of the source's model names (a reader inferred them as replicated) keep their split only while
 /// tp does not change: a tp change for them is refused with Error(kInvalidArgument) naming them
-/// (failures.md B05: add a rule for them in the model file).
+/// (failures.md B05: add a rule for them in the model file). A source given box by box
+/// (Layout::explicit_boxes, a DCP checkpoint) has no such rules: its like-layout at dp=N cuts dim 0
+/// of every tensor as FSDP2 does (torch.chunk: ceil(rows / N) rows per rank), and any tp, pp or
+/// vpp other than 1 is kInvalidArgument.
 Layout layout_like(const SourceLayout& source, const Topology& target, const LikeOptions& options = {});
 
 /// Tensor names of `source` that no rule of its model names (see layout_like).

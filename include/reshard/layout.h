@@ -109,6 +109,10 @@ struct Layout {
   std::vector<Piece> pieces;
   /// Flat groups per (pp_rank, tp_rank): groups[pp * tp + tp_rank]; empty for ZeRO 0.
   std::vector<std::vector<FlatGroup>> flat_groups;
+  /// Built by explicit_layout: every buffer holds one given box of one tensor (a DCP chunk, a
+  /// DTensor's local shard). `model` is a placeholder then (its name only): no tp or pipeline
+  /// rules apply, and `topo` only counts ranks.
+  bool explicit_boxes = false;
 
   int find_array(const std::string& tensor, StateKind s) const;  // -1 if absent
   int find_buffer(int rank, const std::string& name) const;      // -1 if absent
@@ -177,6 +181,31 @@ Layout derive_layout(const ModelConfig& cfg, const Topology& topo, const DeriveO
 void append_flat_range_pieces(const TpShard& shard, int64_t range_begin, int64_t range_end,
                               int32_t array, int32_t buffer, int64_t buffer_offset,
                               std::vector<Piece>* out);
+
+/// A tensor of a layout given box by box (explicit_layout): its name, state kind and global shape.
+struct ExplicitArray {
+  std::string tensor;
+  StateKind state = StateKind::kWeight;
+  std::vector<int64_t> shape;  // global shape, 1..kMaxDims dims, each >= 0
+};
+/// One rank's buffer holding one box of one ExplicitArray, in row-major order of the box.
+struct ExplicitBuffer {
+  std::string name;   // unique per rank
+  int rank = 0;
+  DType dtype = DType::F32;
+  int32_t array = 0;  // index into the ExplicitArray list
+  std::vector<int64_t> offsets, sizes;  // the box in global coordinates (elements)
+};
+/// A layout given box by box, for sources and targets that are not described by a model and a
+/// tp/pp/dp topology: a torch.distributed.checkpoint folder's chunks, the local shards of a live
+/// FSDP2 / DTensor module. Pure. Each buffer is one box (base 0, row-major strides); boxes of one
+/// tensor may overlap (replicas). `topo` gives the world size (tp = pp = 1). Throws
+/// Error(kInvalidArgument) naming the tensor or buffer: an array index out of range, a box with
+/// another number of dims than its tensor or outside its global shape, more than
+/// kMaxModelParameters elements in a tensor, a rank outside [0, world size), a
+/// buffer name used twice on one rank, a tensor and state kind listed twice, a 0-d tensor.
+Layout explicit_layout(const std::string& name, const Topology& topo, const std::vector<ExplicitArray>& arrays,
+                       const std::vector<ExplicitBuffer>& buffers);
 
 /// Decomposes the row-major flat range [begin, end) of a box of extents `len` (ndim dims) into
 /// at most 2*ndim-1 sub-boxes (offsets relative to the box), in increasing flat order.

@@ -362,9 +362,12 @@ json layout_to_json(const Layout& L, const std::vector<std::string>& buffer_file
     }
     groups.push_back(gs);
   }
-  return {{"topology", L.topo.to_string()}, {"model", model_to_json(L.model)}, {"tensors", tensors},
-          {"arrays", arrays},               {"buffers", buffers},               {"pieces", pieces},
-          {"flat_groups", groups}};
+  json j = {{"topology", L.topo.to_string()}, {"model", model_to_json(L.model)}, {"tensors", tensors},
+            {"arrays", arrays},               {"buffers", buffers},               {"pieces", pieces},
+            {"flat_groups", groups}};
+  // Written only when set, so layouts derived from a model keep their record (and digest).
+  if (L.explicit_boxes) j["explicit_boxes"] = true;
+  return j;
 }
 
 std::string layout_digest(const Layout& L) {
@@ -409,6 +412,7 @@ std::string layout_digest(const Layout& L) {
       i64(p.strides[d]);
     }
   }
+  if (L.explicit_boxes) str("explicit_boxes");
   i64(int64_t(L.flat_groups.size()));
   for (const auto& shard : L.flat_groups) {
     i64(int64_t(shard.size()));
@@ -437,6 +441,7 @@ Layout layout_from_json(const Field& meta, std::vector<std::string>* buffer_file
     }
   }
   L.model = model_from_json(meta["model"]);
+  if (meta.has("explicit_boxes")) L.explicit_boxes = meta["explicit_boxes"].boolean();
 
   for (const Field& f : meta["tensors"].items()) {
     TensorSpec t;
