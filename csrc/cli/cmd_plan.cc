@@ -12,6 +12,7 @@
 #include "reshard/units.h"
 #include "reshard/checkpoint.h"
 #include "reshard/config.h"
+#include "reshard/consolidate.h"
 #include "reshard/error.h"
 #include "reshard/reshard.h"
 
@@ -149,8 +150,11 @@ Command plan_command() {
       oo.step = a->step;
       if (!a->model.empty()) oo.model_path = resolve_model_path(a->model);
       auto ckpt = open_checkpoint(a->path, oo);
-      target_layout = derive_layout(ckpt->source().layout.model, target,
-                                    target_options(ckpt->source().layout.model, &ckpt->source().layout));
+      // A layout given box by box (DCP) has no model to derive from: its tensors cut as FSDP2 cuts.
+      target_layout = ckpt->source().layout.explicit_boxes
+                          ? layout_like(ckpt->source(), target)
+                          : derive_layout(ckpt->source().layout.model, target,
+                                          target_options(ckpt->source().layout.model, &ckpt->source().layout));
       plan = plan_load(*ckpt, target_layout, po, &secs);
       if (!a->no_read_rate) rate = measure_read_rate(*ckpt, uint64_t(64) << 20, &rate_bytes);
     } else {

@@ -3,6 +3,7 @@
 #include <cctype>
 #include <filesystem>
 
+#include "formats/dcp/dcp_reader.h"
 #include "formats/deepspeed/deepspeed_reader.h"
 #include "formats/native/native_internal.h"
 #include "io/file.h"
@@ -65,7 +66,7 @@ std::vector<std::string> list_steps(const std::string& root) {
   for (const auto& n : io::list_dir(root)) {
     if (n.empty() || n[0] == '.') continue;  // temporaries of unfinished saves
     const std::string d = io::join(root, n);
-    if (io::is_dir(d) && (is_native_step(d) || is_deepspeed_step(d))) steps.push_back(n);
+    if (io::is_dir(d) && (is_native_step(d) || is_deepspeed_step(d) || is_dcp_step(d))) steps.push_back(n);
   }
   // A total order: folders without a step number first (they cannot be placed in time), then by
   // number, then by name; "newest" tries the last first.
@@ -115,11 +116,12 @@ std::unique_ptr<CheckpointReader> open_step(const std::string& dir, const OpenOp
     return reader;
   }
   if (is_deepspeed_step(dir)) return open_deepspeed(dir, opt, std::move(notes));
+  if (is_dcp_step(dir)) return open_dcp(dir, opt, std::move(notes));
   const std::string meta = io::join(dir, native::kMetadataFile);
   if (io::exists(meta) && !io::is_file(meta))
     fail(ErrorCode::kDataLoss, meta, " is not a regular file (a folder?); a native step's metadata is a JSON file");
   fail(ErrorCode::kInvalidArgument, dir, " is not a step folder: it holds neither ", native::kMetadataFile,
-       " (native) nor *_model_states.pt (DeepSpeed)");
+       " (native) nor *_model_states.pt (DeepSpeed) nor .metadata (torch.distributed.checkpoint)");
 }
 
 // "" when an opened step is complete, else why not: a data file its metadata names is missing,
@@ -205,7 +207,7 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
 
   // A step folder given directly.
   const bool native_step = is_native_step(path), ds_step = !native_step && is_deepspeed_step(path);
-  if (native_step || ds_step) {
+  if (native_step || ds_step || is_dcp_step(path)) {
     const std::string name = io::base_name(path);
     if (!opt.step.empty() && opt.step != name) {
       unsigned long long n;
@@ -269,7 +271,7 @@ std::unique_ptr<CheckpointReader> open_checkpoint(const std::string& path_in, co
          "; choose one (--step)");
   } else {
     fail(ErrorCode::kInvalidArgument, path, " is not a checkpoint folder: no ", native::kMetadataFile,
-         ", no `latest`, no step folders, no *_model_states.pt (it holds ", join_list(entries), ")");
+         ", no `latest`, no step folders, no *_model_states.pt, no .metadata (it holds ", join_list(entries), ")");
   }
   return open_step(io::join(path, step), opt, std::move(notes));
 }
