@@ -524,6 +524,33 @@ PYBIND11_MODULE(_C, m) {
       py::arg("model"), py::arg("topology"), py::arg("stages") = py::none(), py::arg("groups") = py::none(),
       py::arg("weights_on_dp0_only") = false, py::arg("optimizer") = true, py::arg("align_factor") = 2);
 
+  m.def(
+      "explicit_layout",
+      [](const std::string& name, const std::string& topo_s, const py::list& arrays, const py::list& buffers) {
+        std::vector<ExplicitArray> as;
+        for (py::handle h : arrays) {
+          auto t = h.cast<py::tuple>();
+          as.push_back({t[0].cast<std::string>(), state_kind_from_name(t[1].cast<std::string>()),
+                        t[2].cast<std::vector<int64_t>>()});
+        }
+        std::vector<ExplicitBuffer> bs;
+        for (py::handle h : buffers) {
+          auto t = h.cast<py::tuple>();
+          ExplicitBuffer b;
+          b.name = t[0].cast<std::string>();
+          b.rank = t[1].cast<int>();
+          b.dtype = dtype_from_name(t[2].cast<std::string>());
+          b.array = t[3].cast<int32_t>();
+          b.offsets = t[4].cast<std::vector<int64_t>>();
+          b.sizes = t[5].cast<std::vector<int64_t>>();
+          bs.push_back(std::move(b));
+        }
+        return std::make_shared<Layout>(explicit_layout(name, Topology::parse(topo_s), as, bs));
+      },
+      py::arg("name"), py::arg("topology"), py::arg("arrays"), py::arg("buffers"),
+      "A layout given box by box (reshard::explicit_layout): arrays [(tensor, state, global shape)], buffers "
+      "[(name, rank, dtype name, array index, offsets, sizes)]; each buffer one row-major box of its array.");
+
   py::class_<PyCheckpoint>(m, "Checkpoint")
       .def_property_readonly("writer", [](const PyCheckpoint& c) { return c.reader->writer(); })
       .def_property_readonly("path", [](const PyCheckpoint& c) { return c.reader->path(); })

@@ -30,7 +30,7 @@ import operator
 import os as _os
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-import torch  # loads libtorch before the extension
+import torch as _torch  # loads libtorch before the extension
 
 try:
     from . import _C
@@ -130,12 +130,12 @@ def derive_layout(model, topology: str, *, weights_on_dp0_only: bool = False, op
     return _C.build_layout(model_config(model), topology, None, None, weights_on_dp0_only, optimizer, align_factor)
 
 
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool}
+_TORCH_DTYPES = {"F64": _torch.float64, "F32": _torch.float32, "F16": _torch.float16, "BF16": _torch.bfloat16,
+                 "I64": _torch.int64, "I32": _torch.int32, "I16": _torch.int16, "I8": _torch.int8, "U8": _torch.uint8,
+                 "BOOL": _torch.bool}
 
 
-def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[float] = None) -> Dict[str, torch.Tensor]:
+def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[float] = None) -> Dict[str, _torch.Tensor]:
     """New 1-D tensors for every buffer of ``layout`` that belongs to ``rank``: ``{buffer name:
     tensor}`` with the buffer's dtype and numel, ready for :func:`load` (scratch, tests, tools;
     a trainer passes its own parameters and optimizer state instead). ``fill``: a value to fill
@@ -160,7 +160,7 @@ def allocate(layout: "Layout", rank: int = 0, *, device="cpu", fill: Optional[fl
     for b in layout.buffers:
         if b["rank"] != rank:
             continue
-        t = torch.empty(b["numel"], dtype=_TORCH_DTYPES[b["dtype"]], device=device)
+        t = _torch.empty(b["numel"], dtype=_TORCH_DTYPES[b["dtype"]], device=device)
         if fill is not None:
             try:
                 t.fill_(fill)
@@ -339,10 +339,10 @@ def _default_comm(comm):
     return local_communicator()
 
 
-def _tensor_list(layout: "Layout", rank: int, tensors) -> List[Optional[torch.Tensor]]:
+def _tensor_list(layout: "Layout", rank: int, tensors) -> List[Optional[_torch.Tensor]]:
     bufs = layout.buffers
     if isinstance(tensors, Mapping):
-        out: List[Optional[torch.Tensor]] = [None] * len(bufs)
+        out: List[Optional[_torch.Tensor]] = [None] * len(bufs)
         mine = {}
         for i, b in enumerate(bufs):
             if b["rank"] == rank:
@@ -364,7 +364,7 @@ def _tensor_list(layout: "Layout", rank: int, tensors) -> List[Optional[torch.Te
         if len(out) != len(bufs):
             raise InvalidArgument(f"got {len(out)} tensors for a layout of {len(bufs)} buffers")
     for i, t in enumerate(out):
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is not None and not isinstance(t, _torch.Tensor):
             raise InvalidArgument(f"the tensor for buffer {bufs[i]['name']} is a {type(t).__name__}, not a torch.Tensor")
     return out
 
@@ -528,7 +528,7 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
         if len(devices) > 1:
             raise InvalidArgument(f"rank {comm.rank}'s tensors are on several devices "
                                   f"({', '.join(sorted(map(str, devices)))}); give all of them on one device")
-        device = next(iter(devices)) if devices else torch.device("cpu")
+        device = next(iter(devices)) if devices else _torch.device("cpu")
         pol = _policies(policies)
         threads = _check_io_threads(io_threads)
         if verify not in ("free", "full", "off"):
@@ -551,7 +551,7 @@ def load(path: Union[str, "Checkpoint"], target: Union[str, "Layout"], tensors, 
         # staged path's copy_ does the same). Also after a failure: the tensors may be written.
         for i, t in enumerate(tlist):
             if t is not None and bufs[i]["rank"] == comm.rank and not t.is_inference():
-                torch.autograd.graph.increment_version(t)
+                _torch.autograd.graph.increment_version(t)
 
 
 def _progress_sink(progress, rank: int):
@@ -628,29 +628,29 @@ def _load_staged(ckpt, layout, tlist, comm, device, policies, io_threads, verify
     were. Costs host memory equal to this rank's live bytes."""
     import time
     me = comm.rank
-    pin = device.type == "cuda" and torch.cuda.is_available()
-    host: List[Optional[torch.Tensor]] = [None] * len(tlist)
+    pin = device.type == "cuda" and _torch.cuda.is_available()
+    host: List[Optional[_torch.Tensor]] = [None] * len(tlist)
     staged = 0
     bufs = layout.buffers  # one build of the list (see load)
     for i, t in enumerate(tlist):
         if t is None or bufs[i]["rank"] != me:
             continue
-        host[i] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
+        host[i] = _torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
         staged += t.numel() * t.element_size()
     report = _C.load(ckpt, layout, host, comm, policies, io_threads, verify, progress)
     t0 = time.perf_counter()
     try:
-        with torch.no_grad():
+        with _torch.no_grad():
             for i, t in enumerate(tlist):
                 if host[i] is None:
                     continue
                 if t.is_inference():  # made under torch.inference_mode(): writable only inside it
-                    with torch.inference_mode():
+                    with _torch.inference_mode():
                         t.view(-1).copy_(host[i], non_blocking=pin)
                 else:
                     t.view(-1).copy_(host[i], non_blocking=pin)
         if pin:
-            torch.cuda.synchronize(device)
+            _torch.cuda.synchronize(device)
     except Exception as e:  # a device error after some tensors were written
         raise FailedPrecondition(f"[rank {me}] copying the loaded state to {device} failed after device tensors were "
                                  f"partly written; the live state is unusable and the trainer must abort: {e}") from e
@@ -717,7 +717,7 @@ def _state_dict(state, layout) -> dict:
     return st
 
 
-def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[torch.Tensor], *,
+def save_all_ranks(root: str, step: str, layout: "Layout", tensors: Sequence[_torch.Tensor], *,
                    state: Optional[Mapping] = None) -> None:
     """Like :func:`save` from one process that holds every rank's buffers (conversion tools,
     tests): ``tensors`` is indexed like ``layout.buffers`` and every entry must be given. Rank

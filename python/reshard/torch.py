@@ -1,0 +1,209 @@
+"""reshard.torch: load a checkpoint into a live torch module and its optimizer, in place.
+
+For PyTorch-native jobs: FSDP2 (``fully_shard``) and DTensor meshes (tp/dp), or plain modules.
+The target layout is read from the module itself: each parameter's (or persistent buffer's)
+global shape and the box of it that each rank holds (DTensor placements, as
+``torch.distributed.checkpoint`` computes them); plain tensors are whole on every rank. The
+checkpoint is any reshard reads whose tensor names are the module's fully qualified names: a
+``torch.distributed.checkpoint`` folder (``dcp.save({"model": ..., "optim": ...})`` with
+``get_state_dict``) or a native checkpoint converted from one.
+
+One line replaces ``dcp.load`` + ``set_state_dict``::
+
+    report = reshard.torch.load(model, optimizer, "ckpt/step-100")
+"""
+
+from __future__ import annotations
+
+import json as _json
+import math
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch as _torch
+
+import reshard as _r
+from reshard import _C
+
+__all__ = ["load", "module_layout"]
+
+_NAMES = {v: k for k, v in _r._TORCH_DTYPES.items()}
+_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def _local_box(fqn: str, t: _torch.Tensor) -> Tuple[_torch.Tensor, List[int], List[int]]:
+    """(local tensor, global offsets, local sizes) of ``t`` on this rank."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor
+        DTensor = ()
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t._local_tensor
+        if local.numel() == 0 and math.prod(shape) == 0:
+            return local, list(offset), list(shape)  # an empty shard (FSDP2 may shape it [0, 0])
+        if list(local.shape) != list(shape):
+            raise _r.InvalidArgument(f"reshard.torch.load: {fqn}: the local shard has shape {list(local.shape)} but "
+                                     f"its placements {t.placements} give {list(shape)} (a padded shard?)")
+        return local, list(offset), list(shape)
+    return t, [0] * t.dim(), list(t.shape)
+
+
+def _optimizer_states(model: _torch.nn.Module, optimizer, want: bool) -> Dict[str, Dict[str, _torch.Tensor]]:
+    """{fqn: {"exp_avg", "exp_avg_sq", "step"}} of an Adam-family optimizer, creating state a
+    fresh optimizer has not made yet (zeros, step 0, as its first step would)."""
+    if optimizer is None or not want:
+        return {}
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out: Dict[str, Dict[str, _torch.Tensor]] = {}
+    for g in optimizer.param_groups:
+        if "betas" not in g:
+            raise _r.InvalidArgument(f"reshard.torch.load: {type(optimizer).__name__} is not an Adam-family optimizer "
+                                     "(no betas); reshard carries Adam's exp_avg, exp_avg_sq and step")
+        if g.get("amsgrad"):
+            raise _r.InvalidArgument("reshard.torch.load: amsgrad=True keeps max_exp_avg_sq, which the checkpoint "
+                                     "does not carry; refused rather than resuming with it zeroed")
+        on_device = bool(g.get("capturable") or g.get("fused"))
+        for p in g["params"]:
+            fqn = name_of.get(id(p))
+            if fqn is None:
+                raise _r.InvalidArgument("reshard.torch.load: the optimizer holds a parameter that is not one of "
+                                         "the model's (named_parameters)")
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = (_torch.zeros((), dtype=_torch.float32, device=p.device) if on_device
+                              else _torch.tensor(0.0, dtype=_torch.float32))
+                st["exp_avg"] = _torch.zeros_like(p, memory_format=_torch.preserve_format)
+                st["exp_avg_sq"] = _torch.zeros_like(p, memory_format=_torch.preserve_format)
+            missing = [k for k in ("step",) + _ADAM_STATES if k not in st]
+            if missing:
+                raise _r.InvalidArgument(f"reshard.torch.load: the optimizer state of {fqn} lacks {missing}")
+            out[fqn] = st
+    return out
+
+
+def module_layout(model: _torch.nn.Module, optimizer=None, *, optimizer_states: bool = True,
+                  group=None) -> Tuple["_r.Layout", Dict[str, _torch.Tensor]]:
+    """The layout of a live module (and its Adam-family optimizer's exp_avg / exp_avg_sq) and this
+    rank's tensors for :func:`reshard.load`: ``(layout, {buffer name: local tensor})``.
+
+    Tensors: ``model.state_dict(keep_vars=True)`` (parameters and persistent buffers, by fully
+    qualified name) and, with an optimizer, each parameter's exp_avg and exp_avg_sq (made as
+    zeros, with step 0, where a fresh optimizer has none yet). A DTensor contributes the box its
+    placements give this rank (torch's own ``compute_local_shape_and_global_offset``, what DCP
+    records as chunk offsets and sizes), a plain tensor its whole self on every rank. Buffer names:
+    ``"<state>/<fqn>"`` (state "weight", "exp_avg", "exp_avg_sq"); empty shards have none.
+    Collective over ``group`` (default WORLD) when torch.distributed is initialized: the ranks
+    exchange their boxes (one all_gather_object). Raises InvalidArgument: a local shard that is not
+    contiguous or not the shape its placements give, a non-Adam optimizer, amsgrad, a parameter of
+    the optimizer that the model does not name.
+    """
+    import torch.distributed as dist
+    dist_on = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if dist_on else 1
+    rank = dist.get_rank(group) if dist_on else 0
+    arrays, mine, tensors, entries, err = [], [], {}, [], None
+    try:
+        states = _optimizer_states(model, optimizer, optimizer_states)
+        for fqn, t in model.state_dict(keep_vars=True).items():
+            if not isinstance(t, _torch.Tensor):
+                continue
+            entries.append((fqn, "weight", t))
+            for s in _ADAM_STATES:
+                if fqn in states:
+                    entries.append((fqn, s, states[fqn][s]))
+        for i, (fqn, state, t) in enumerate(entries):
+            if t.dim() == 0:
+                raise _r.InvalidArgument(f"reshard.torch.load: {fqn} is a 0-d tensor; reshard loads tensors of 1+ dims")
+            local, off, size = _local_box(fqn, t)
+            if not local.is_contiguous():
+                raise _r.InvalidArgument(f"reshard.torch.load: the local shard of {fqn} ({state}) is not contiguous")
+            if local.dtype not in _NAMES:
+                raise _r.InvalidArgument(f"reshard.torch.load: {fqn} has dtype {local.dtype}, which reshard does not "
+                                         "load")
+            arrays.append((fqn, state, list(t.shape)))
+            if local.numel() > 0:
+                mine.append((i, _NAMES[local.dtype], off, size))
+                tensors[f"{state}/{fqn}"] = local
+    except Exception as e:  # noqa: BLE001 - agreed across ranks below, then raised
+        err = e
+    # Every rank learns every rank's boxes, and whether any rank failed its checks (a rank that
+    # raised alone would leave the others waiting in the load's first collective).
+    own = ("" if err is None else f"[rank {rank}] {err}", mine)
+    every = [own]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, own, group=group)
+    failed = [m for m, _ in every if m]
+    if err is not None:
+        raise err
+    if failed:
+        raise _r.InvalidArgument(f"reshard.torch.load refused on every rank before anything was read: {'; '.join(failed[:4])}")
+    every = [boxes for _, boxes in every]
+    buffers = []
+    for r, boxes in enumerate(every):
+        for i, dtype, off, size in boxes:
+            fqn, state, _ = entries[i]
+            buffers.append((f"{state}/{fqn}", r, dtype, i, off, size))
+    return _C.explicit_layout("torch module", f"dp={world},zero=3", arrays, buffers), tensors
+
+
+def load(model: _torch.nn.Module, optimizer, path, *, step=None, comm: Optional["_r.Communicator"] = None,
+         policies: Optional[Mapping] = None, verify: str = _r.DEFAULT_VERIFY, io_threads: Optional[int] = None,
+         progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Loads ``path`` into ``model`` (and ``optimizer``) in place, resharding from whatever layout
+    the checkpoint was saved under to the module's current one (FSDP2 at another dp size, a
+    DTensor tp/dp mesh, one process). Collective: every rank of the job calls it alike.
+
+    ``model``: an ``nn.Module`` whose parameters are DTensors (FSDP2, tensor parallel) or plain
+    tensors; names are its ``state_dict`` keys. ``optimizer``: an Adam-family torch optimizer over
+    the model's parameters (exp_avg, exp_avg_sq and step are loaded; state is created where a fresh
+    optimizer has none), or None for weights only (the checkpoint's optimizer state is then not
+    wanted: policy strict_unexpected defaults to False). Hyperparameters (lr, betas, ...) stay the
+    job's own; the checkpoint's are in ``report["state"]["json"]`` (``dcp.values``).
+    ``path``: a checkpoint root or step folder (DCP or native); ``step``: as in
+    :func:`reshard.load`. ``comm``, ``policies``, ``verify``, ``io_threads``, ``progress``: as in
+    :func:`reshard.load`.
+
+    Every element comes from the checkpoint bitwise (dtype conversion only where the module's
+    dtype differs); elements no file holds, missing or truncated files, damaged chunks and
+    tensors the module lacks (or the checkpoint lacks) raise before any write, as
+    :func:`reshard.load` does. After the load each parameter's optimizer step is the checkpoint's
+    (its per-parameter counters where they differ).
+
+    Returns :func:`reshard.load`'s report, plus ``"step_set"`` (the step given to the optimizer,
+    or None when the checkpoint records none; then the optimizer's step counters stay 0 and a
+    warning says so).
+    """
+    ckpt = path if isinstance(path, _r.Checkpoint) else _r.open_checkpoint(str(path), step=step)
+    pol = dict(policies or {})
+    if optimizer is None:
+        pol.setdefault("strict_unexpected", False)
+    has_optim = any(b["state"] in _ADAM_STATES for b in ckpt.layout.buffers)
+    layout, tensors = module_layout(model, optimizer, optimizer_states=has_optim or optimizer is not None)
+    with _torch.no_grad():
+        report = _r.load(ckpt, layout, tensors, comm=comm, policies=pol, verify=verify, io_threads=io_threads,
+                         progress=progress)
+    report["step_set"] = None
+    try:
+        dcp_state = _json.loads(report["state"]["json"]).get("dcp", {})
+    except (ValueError, AttributeError, KeyError, TypeError):
+        dcp_state = {}
+    if dcp_state.get("values"):
+        report.setdefault("not_carried", []).append(
+            f"{len(dcp_state['values'])} non-tensor entries (optimizer param_groups: lr, betas, ...): the job's "
+            "optimizer keeps its own; the checkpoint's are in state json dcp.values")
+    if optimizer is not None:
+        states = _optimizer_states(model, optimizer, True)
+        steps = dcp_state.get("param_steps", {})
+        default = report.get("step", -1)
+        for fqn, st in states.items():
+            v = steps.get(fqn, default if default is not None and default >= 0 else None)
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                continue
+            st["step"].fill_(float(v))
+            report["step_set"] = float(v) if report["step_set"] is None else report["step_set"]
+        if report["step_set"] is None and states:
+            report.setdefault("warnings", []).append("the checkpoint records no optimizer step; the optimizer's step "
+                                                     "counters stay 0 (Adam's bias correction restarts)")
+    return report
