@@ -24,7 +24,7 @@ import torch as _torch
 import reshard as _r
 from reshard import _C
 
-__all__ = ["load", "module_layout"]
+__all__ = ["load", "load_state_dict", "module_layout"]
 
 _NAMES = {v: k for k, v in _r._TORCH_DTYPES.items()}
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -98,29 +98,39 @@ def module_layout(model: _torch.nn.Module, optimizer=None, *, optimizer_states: 
     contiguous or not the shape its placements give, a non-Adam optimizer, amsgrad, a parameter of
     the optimizer that the model does not name.
     """
+    def entries():
+        states = _optimizer_states(model, optimizer, optimizer_states)
+        out = []
+        for fqn, t in model.state_dict(keep_vars=True).items():
+            if not isinstance(t, _torch.Tensor):
+                continue
+            out.append((fqn, "weight", t))
+            for s in _ADAM_STATES:
+                if fqn in states:
+                    out.append((fqn, s, states[fqn][s]))
+        return out
+    return _gathered_layout(entries, group, "reshard.torch.load")
+
+
+def _gathered_layout(make_entries, group, what: str):
+    """(layout, {buffer name: local tensor}) of the tensors ``make_entries()`` lists as
+    ``(name, state, tensor)``: each rank's boxes all-gathered (one all_gather_object, which also
+    carries each rank's errors, so that all ranks raise together)."""
     import torch.distributed as dist
     dist_on = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if dist_on else 1
     rank = dist.get_rank(group) if dist_on else 0
     arrays, mine, tensors, entries, err = [], [], {}, [], None
     try:
-        states = _optimizer_states(model, optimizer, optimizer_states)
-        for fqn, t in model.state_dict(keep_vars=True).items():
-            if not isinstance(t, _torch.Tensor):
-                continue
-            entries.append((fqn, "weight", t))
-            for s in _ADAM_STATES:
-                if fqn in states:
-                    entries.append((fqn, s, states[fqn][s]))
+        entries = make_entries()
         for i, (fqn, state, t) in enumerate(entries):
             if t.dim() == 0:
-                raise _r.InvalidArgument(f"reshard.torch.load: {fqn} is a 0-d tensor; reshard loads tensors of 1+ dims")
+                raise _r.InvalidArgument(f"{what}: {fqn} is a 0-d tensor; reshard loads tensors of 1+ dims")
             local, off, size = _local_box(fqn, t)
             if not local.is_contiguous():
-                raise _r.InvalidArgument(f"reshard.torch.load: the local shard of {fqn} ({state}) is not contiguous")
+                raise _r.InvalidArgument(f"{what}: the local shard of {fqn} ({state}) is not contiguous")
             if local.dtype not in _NAMES:
-                raise _r.InvalidArgument(f"reshard.torch.load: {fqn} has dtype {local.dtype}, which reshard does not "
-                                         "load")
+                raise _r.InvalidArgument(f"{what}: {fqn} has dtype {local.dtype}, which reshard does not load")
             arrays.append((fqn, state, list(t.shape)))
             if local.numel() > 0:
                 mine.append((i, _NAMES[local.dtype], off, size))
@@ -138,14 +148,77 @@ def module_layout(model: _torch.nn.Module, optimizer=None, *, optimizer_states: 
     if err is not None:
         raise err
     if failed:
-        raise _r.InvalidArgument(f"reshard.torch.load refused on every rank before anything was read: {'; '.join(failed[:4])}")
-    every = [boxes for _, boxes in every]
+        raise _r.InvalidArgument(f"{what} refused on every rank before anything was read: {'; '.join(failed[:4])}")
     buffers = []
-    for r, boxes in enumerate(every):
+    for r, (_, boxes) in enumerate(every):
         for i, dtype, off, size in boxes:
             fqn, state, _ = entries[i]
             buffers.append((f"{state}/{fqn}", r, dtype, i, off, size))
     return _C.explicit_layout("torch module", f"dp={world},zero=3", arrays, buffers), tensors
+
+
+def _flatten(sd, prefix=""):
+    """DCP's flat keys of a nested state dict: dict keys and list indices joined with '.'."""
+    out = {}
+    items = sd.items() if isinstance(sd, Mapping) else enumerate(sd)
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, _torch.Tensor):
+            out[key] = v
+        elif isinstance(v, (Mapping, list, tuple)):
+            out.update(_flatten(v, key + "."))
+    return out
+
+
+def load_state_dict(state_dict: Mapping, path, *, step=None, comm: Optional["_r.Communicator"] = None,
+                    policies: Optional[Mapping] = None, verify: str = _r.DEFAULT_VERIFY,
+                    io_threads: Optional[int] = None, progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Fills the tensors of ``state_dict`` in place from ``path``, shaped like
+    ``dcp.load(state_dict, checkpoint_id=path)``: a (nested) dict of DTensors and plain tensors,
+    keyed as it was saved (``{"model": {...}, "optim": {...}}`` or flat keys). Collective.
+
+    Keys are flattened as DCP flattens them ("optim.state.<fqn>.exp_avg"); the optimizer entries
+    the checkpoint's reader recognised map to their parameter's state, step counters
+    (``...state.<fqn>.step``, 0-d tensors) are set from the checkpoint after the load, and other
+    non-tensor values are left as they are (the checkpoint's are in ``report["state"]["json"]``).
+    Errors as in :func:`reshard.load`: a key the checkpoint lacks (``strict_missing``), a
+    checkpoint tensor the dict lacks (``strict_unexpected``), shapes that differ, damaged files.
+    Returns :func:`reshard.load`'s report.
+    """
+    ckpt = path if isinstance(path, _r.Checkpoint) else _r.open_checkpoint(str(path), step=step)
+    try:
+        dcp_state = _json.loads(ckpt.state["json"]).get("dcp", {})
+    except (ValueError, AttributeError, TypeError):
+        dcp_state = {}
+    px = dcp_state.get("prefixes", {})
+    model_px, optim_px = px.get("model", ""), px.get("optim", "")
+    flat = _flatten(state_dict)
+    steps = {}
+
+    def entries():
+        out = []
+        for key, t in flat.items():
+            if optim_px and key.startswith(optim_px):
+                fqn, _, kind = key[len(optim_px):].rpartition(".")
+                if kind == "step" and t.dim() == 0:
+                    steps[fqn] = t
+                    continue
+                if kind in _ADAM_STATES:
+                    out.append((fqn, kind, t))
+                    continue
+            name = key[len(model_px):] if model_px and key.startswith(model_px) else key
+            out.append((name, "weight", t))
+        return out
+    layout, tensors = _gathered_layout(entries, None, "reshard.torch.load_state_dict")
+    with _torch.no_grad():
+        report = _r.load(ckpt, layout, tensors, comm=comm, policies=policies, verify=verify, io_threads=io_threads,
+                         progress=progress)
+        saved = dcp_state.get("param_steps", {})
+        for fqn, t in steps.items():
+            v = saved.get(fqn, report.get("step", -1))
+            if v is not None and v >= 0:
+                t.fill_(float(v))
+    return report
 
 
 def load(model: _torch.nn.Module, optimizer, path, *, step=None, comm: Optional["_r.Communicator"] = None,

@@ -219,3 +219,36 @@ def test_module_that_lacks_a_tensor_is_refused(saved):
     m = Smaller()
     with pytest.raises(reshard.InvalidArgument, match="tiny"):
         rt.load(m, torch.optim.AdamW(m.parameters()), saved["fsdp"] / "ckpt")
+
+
+def test_load_state_dict_like_dcp_load(saved):
+    """The dcp.load shape: a nested dict of tensors keyed as saved, filled in place."""
+    ref = torch.load(saved["fsdp"] / "reference.pt")
+    names = [k[len("weight/"):] for k in ref if k.startswith("weight/")]
+    sd = {"model": {n: torch.zeros_like(ref[f"weight/{n}"]) for n in names},
+          "optim": {"state": {n: {"exp_avg": torch.zeros_like(ref[f"exp_avg/{n}"]),
+                                  "exp_avg_sq": torch.zeros_like(ref[f"exp_avg_sq/{n}"]),
+                                  "step": torch.tensor(0.0)} for n in names}}}
+    rt.load_state_dict(sd, saved["fsdp"] / "ckpt")
+    for n in names:
+        assert torch.equal(sd["model"][n], ref[f"weight/{n}"]), n
+        assert torch.equal(sd["optim"]["state"][n]["exp_avg"], ref[f"exp_avg/{n}"]), n
+        assert sd["optim"]["state"][n]["step"].item() == 3.0
+
+
+def test_plain_dcp_save_of_any_keys_and_dtypes(tmp_path):
+    """dcp.save of a flat dict in one process (no FSDP): bf16, int64 and fp16 tensors, keys with
+    no model prefix, one with "state" in its name; read back bitwise into another dict."""
+    import torch.distributed.checkpoint as dcp
+    g = torch.Generator().manual_seed(5)
+    src = {"enc.state.proj": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+           "ids": torch.arange(7, dtype=torch.int64) * 3,
+           "half": torch.randn(4, generator=g).half()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(src, checkpoint_id=str(tmp_path / "ck"))
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    report = rt.load_state_dict(dst, tmp_path / "ck")
+    for k in src:
+        assert dst[k].dtype == src[k].dtype and torch.equal(dst[k], src[k]), k
+    assert report["bytes_read"] == report["bytes_needed"] == sum(v.numel() * v.element_size() for v in src.values())

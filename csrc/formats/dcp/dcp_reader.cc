@@ -424,6 +424,7 @@ std::unique_ptr<CheckpointReader> open_dcp(const std::string& dir, const OpenOpt
   for (const auto& t : tensors) tensor_keys.push_back(t.key);
   const Prefixes px = infer_prefixes(tensor_keys);
   const std::string optim_state = px.optim + "state.";
+  dcp_json["prefixes"] = {{"model", px.model}, {"optim", px.optim_found ? optim_state : std::string()}};
   r->notes_.push_back("DCP keys: model tensors under '" + px.model + "'" +
                       (px.optim_found ? ", optimizer state under '" + optim_state + "'" : ", no optimizer state") +
                       " (inferred from the keys)");
