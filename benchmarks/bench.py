@@ -374,21 +374,24 @@ class Bench:
                           "bytes_sent_max_rank": mid["bytes_sent_max_rank"]}
         return e
 
-    def dcp_load(self, target, cache):
+    def dcp_load(self, target, cache, loader="dcp"):
+        """dcp.load of the DCP files into DTensors at `target`, or (loader "reshard") reshard's
+        load_state_dict of the same files into the same DTensors."""
+        system = "dcp" if loader == "dcp" else "reshard_from_dcp"
         t = parse_layout(target)
         if t["pp"] != 1:
-            self.skip(f"dcp {cache} {short_layout(target)}", "DCP peer expresses tp and dp only (pp=1)")
+            self.skip(f"{system} {cache} {short_layout(target)}", "DCP peer expresses tp and dp only (pp=1)")
             return
         K = t["world"]
         repeat = self.a.peer_repeat if cache == "warm" else 1
         cmd = mpirun(K) + [PY, os.path.join(HERE, "dcp_worker.py"), "load", self.dcp, "--model-json", self.model_json,
-                           "--layout", target, "--repeat", str(repeat), "--reshard-bin", self.bin]
+                           "--layout", target, "--repeat", str(repeat), "--reshard-bin", self.bin, "--loader", loader]
         if cache == "cold":
             cmd.append("--cold")
         adjacent = self.adjacent_ceiling("dcp") if cache == "warm" else None
-        _, out, _ = self.r.run(cmd, f"dcp-{cache}-{short_layout(target)}", env=self.env_for(K))
+        _, out, _ = self.r.run(cmd, f"{system}-{cache}-{short_layout(target)}", env=self.env_for(K))
         j = json_lines(out)[-1]
-        e = self.add(system="dcp", case=f"{cache} dcp {short_layout(self.a.source)}->{short_layout(target)}",
+        e = self.add(system=system, case=f"{cache} {system} {short_layout(self.a.source)}->{short_layout(target)}",
                      cache=cache, source_format="dcp", source_layout=self.a.source, target_layout=target, ranks=K,
                      seconds=j["seconds"], seconds_all=j["seconds_all"], gbps=j["target_bytes"] / j["seconds"] / 1e9,
                      target_bytes=j["target_bytes"], bytes_read=j.get("bytes_read"),
@@ -550,6 +553,8 @@ class Bench:
             if not a.skip_dcp:
                 S.append((f"dcp warm {short_layout(t)}",
                           lambda t=t: self._guard(f"dcp warm {short_layout(t)}", lambda: self.dcp_load(t, "warm"))))
+                S.append((f"reshard_from_dcp warm {short_layout(t)}", lambda t=t: self._guard(
+                    f"reshard_from_dcp warm {short_layout(t)}", lambda: self.dcp_load(t, "warm", "reshard"))))
         if not a.skip_deepspeed:
             S.append(("read ceilings (deepspeed)", lambda: self._if_ds(lambda: self.ceilings("deepspeed", ["warm"]))))
             for i, t in enumerate(a.targets):

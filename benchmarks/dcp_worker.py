@@ -95,6 +95,8 @@ def main():
     ap.add_argument("--cold", action="store_true", help="evict DIR's files from the page cache first")
     ap.add_argument("--reshard-bin", default=None, help="reshard binary (for `bench evict` with --cold)")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--loader", choices=["dcp", "reshard"], default="dcp",
+                    help="load mode: dcp.load, or reshard.torch.load_state_dict into the same state dict")
     a = ap.parse_args()
     import torch
     import torch.distributed as dist
@@ -106,6 +108,8 @@ def main():
         raise SystemExit(f"layout {a.layout} has world size {layout['world']} but {world} ranks run")
     with open(a.model_json) as f:
         model = GPT(**json.load(f))
+    if a.loader == "reshard":
+        import reshard.torch as reshard_torch
     rss0 = peak_rss()
     if a.mode == "save":
         sd, live = build_state(model, layout, fill=True)
@@ -126,10 +130,15 @@ def main():
             dist.barrier()
             r0 = rchar()
             t0 = time.perf_counter()
-            dcp.load(sd, checkpoint_id=a.dir)
+            if a.loader == "dcp":
+                dcp.load(sd, checkpoint_id=a.dir)
+            else:
+                rep = reshard_torch.load_state_dict(sd, a.dir)
             dist.barrier()
             times.append(time.perf_counter() - t0)
-            nread = rchar() - r0
+            # reshard reads through file mappings (not counted by rchar): its report counts the
+            # bytes every rank read, once (rank 0 contributes it to the sum below).
+            nread = rchar() - r0 if a.loader == "dcp" else (rep["bytes_read"] if rank == 0 else 0)
         t = torch.tensor([float(peak_rss()), float(peak_rss() - live), float(live), float(rss0)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         tot = torch.tensor([float(live), float(nread)], dtype=torch.float64)
