@@ -378,6 +378,16 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
   std::vector<std::string> missing, mismatched;
   std::vector<bool> src_used(S.arrays.size(), false);
   int from_master = 0;
+  // The dtype each array is stored in (its first piece's buffer): integer and float values do
+  // not convert, and finding that while copying would leave live tensors partly written.
+  auto array_dtypes = [](const Layout& L) {
+    std::vector<int> dt(L.arrays.size(), -1);
+    for (const Piece& pc : L.pieces)
+      if (dt[size_t(pc.array)] < 0) dt[size_t(pc.array)] = int(L.buffers[size_t(pc.buffer)].dtype);
+    return dt;
+  };
+  const std::vector<int> src_dt = array_dtypes(S), tgt_dt = array_dtypes(target);
+  std::vector<std::string> kind_mismatch;
   for (size_t i = 0; i < target.arrays.size(); ++i) {
     const auto& ta = target.arrays[i];
     auto it = src_by_key.find(ta.key());
@@ -410,8 +420,18 @@ Plan make_plan(const SourceLayout& source, const Layout& target, const PlanOptio
       mismatched.push_back(what);
       continue;
     }
+    const int sd = src_dt[size_t(it->second)], td = tgt_dt[i];
+    if (sd >= 0 && td >= 0 && dtype_is_float(DType(sd)) != dtype_is_float(DType(td)))
+      kind_mismatch.push_back("tensor " + ta.tensor + " (" + state_kind_name(ta.state) + "): checkpoint " +
+                              dtype_name(DType(sd)) + " vs model " + dtype_name(DType(td)));
     src_of[i] = it->second;
     src_used[it->second] = true;
+  }
+  if (!kind_mismatch.empty()) {
+    std::string msg = std::to_string(kind_mismatch.size()) +
+                      " tensor state(s) are integers on one side and floats on the other, which do not convert: ";
+    for (size_t i = 0; i < kind_mismatch.size() && i < 8; ++i) msg += (i ? "; " : "") + kind_mismatch[i];
+    fail(ErrorCode::kInvalidArgument, msg);
   }
   check_qkv_order_known(S, target, src_of);
   if (!mismatched.empty()) {

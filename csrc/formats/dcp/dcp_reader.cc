@@ -17,6 +17,7 @@
 #include "formats/dcp/dcp_reader.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <set>
@@ -274,7 +275,8 @@ struct Builder {
   int32_t file_of(const std::string& rel) {
     auto it = file_index.find(rel);
     if (it != file_index.end()) return it->second;
-    if (rel.empty() || rel.find('/') != std::string::npos || rel == "." || rel == "..")
+    const bool control = std::any_of(rel.begin(), rel.end(), [](char ch) { return uint8_t(ch) < 0x20 || ch == 127; });
+    if (rel.empty() || control || rel.find('/') != std::string::npos || rel == "." || rel == "..")
       fail(ErrorCode::kDataLoss, meta_path, " names data file '", rel.substr(0, 80), "', not a file name in the folder");
     const std::string p = io::join(dir, rel);
     int32_t idx = -1;
@@ -437,7 +439,13 @@ std::unique_ptr<CheckpointReader> open_dcp(const std::string& dir, const OpenOpt
   std::vector<std::string> skipped;
   int world = 1;
   for (const auto& t : tensors)
-    for (const auto& c : t.chunks) world = std::max(world, writer_rank(c.rel) + 1);
+    for (const auto& c : t.chunks) {
+      const int wr = writer_rank(c.rel);
+      if (wr >= kMaxWorldSize)
+        fail(ErrorCode::kDataLoss, b.meta_path, ": data file ", c.rel, " names writer rank ", wr, ", beyond the ",
+             kMaxWorldSize, " ranks a job may have");
+      world = std::max(world, wr + 1);
+    }
   for (const auto& t : tensors) {
     std::string name = t.key;
     StateKind state = StateKind::kWeight;
@@ -525,12 +533,14 @@ std::unique_ptr<CheckpointReader> open_dcp(const std::string& dir, const OpenOpt
                "; the metadata says ", t.dtype, " ", box_text(std::vector<int64_t>(c->len.size(), 0), c->len));
         loc.file = f;
         loc.byte_offset = c->offset + ar.tensor_data_offset(ti);
+        // The chunk's storage record is its checksum unit: exactly the chunk's bytes as DCP writes
+        // them, or a larger record (a view saved by another writer), which verify="full" then
+        // reads whole.
         const pt::StorageRecord& rec = ar.record(ti);
-        const uint64_t bytes = numel * itemsize;
-        if (rec.length == bytes && ar.tensor_data_offset(ti) == rec.offset) {
-          const pt::ZipEntry* e = ar.zip.find(ar.prefix + "/data/" + rec.key);
-          if (e) r->records_[size_t(f)][loc.byte_offset] = {bytes, e->crc32};
-        }
+        if (const pt::ZipEntry* e = ar.zip.find(ar.prefix + "/data/" + rec.key))
+          r->records_[size_t(f)][c->offset + rec.offset] = {rec.length, e->crc32};
+        else
+          fail(ErrorCode::kDataLoss, at, ": its storage record ", rec.key, " is not in the archive");
       }
       buffers.push_back(std::move(buf));
       locations.push_back(loc);
@@ -550,7 +560,10 @@ std::unique_ptr<CheckpointReader> open_dcp(const std::string& dir, const OpenOpt
     dcp_json["param_steps"] = param_steps;
     const double first = steps.begin()->second;
     const bool same = std::all_of(steps.begin(), steps.end(), [&](auto& kv) { return kv.second == first; });
-    if (same) r->state_.step = int64_t(first);
+    const bool whole = std::isfinite(first) && first >= 0 && first <= 9007199254740992.0 && first == std::floor(first);
+    if (same && whole) r->state_.step = int64_t(first);
+    else if (same) r->notes_.push_back("the optimizer's step counters hold " + std::to_string(first) +
+                                       ", not a whole step count; kept as given (state JSON dcp.param_steps)");
     else r->notes_.push_back("the optimizer's step counters differ between parameters; each is kept (state JSON dcp.param_steps)");
   }
   // Non-tensor entries: parsed (never executed) into the state JSON where they are plain values.
