@@ -138,7 +138,8 @@ def main():
             times.append(time.perf_counter() - t0)
             # reshard reads through file mappings (not counted by rchar): its report counts the
             # bytes every rank read, once (rank 0 contributes it to the sum below).
-            nread = rchar() - r0 if a.loader == "dcp" else (rep["bytes_read"] if rank == 0 else 0)
+            nread = rchar() - r0 if a.loader == "dcp" else (
+                rep["bytes_read"] - rep.get("bytes_reread_on_node", 0) if rank == 0 else 0)
         t = torch.tensor([float(peak_rss()), float(peak_rss() - live), float(live), float(rss0)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         tot = torch.tensor([float(live), float(nread)], dtype=torch.float64)

@@ -28,6 +28,7 @@ __all__ = ["load", "load_state_dict", "module_layout"]
 
 _NAMES = {v: k for k, v in _r._TORCH_DTYPES.items()}
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
+_SUPPORTED_OPTIMIZERS = (_torch.optim.Adam, _torch.optim.AdamW, _torch.optim.RAdam)
 
 
 def _local_box(fqn: str, t: _torch.Tensor) -> Tuple[_torch.Tensor, List[int], List[int]]:
@@ -56,10 +57,13 @@ def _optimizer_states(model: _torch.nn.Module, optimizer, want: bool) -> Dict[st
         return {}
     name_of = {id(p): n for n, p in model.named_parameters()}
     out: Dict[str, Dict[str, _torch.Tensor]] = {}
+    # Optimizers whose whole per-parameter state is step, exp_avg and exp_avg_sq. NAdam
+    # (mu_product) and Adamax (exp_inf) keep more, which a checkpoint of these three cannot
+    # restore: refused by name rather than resumed with part of the state the job's own.
+    if not isinstance(optimizer, _SUPPORTED_OPTIMIZERS):
+        raise _r.InvalidArgument(f"reshard.torch.load: {type(optimizer).__name__} is not supported; reshard carries "
+                                 "the state of Adam, AdamW and RAdam (step, exp_avg, exp_avg_sq) only")
     for g in optimizer.param_groups:
-        if "betas" not in g:
-            raise _r.InvalidArgument(f"reshard.torch.load: {type(optimizer).__name__} is not an Adam-family optimizer "
-                                     "(no betas); reshard carries Adam's exp_avg, exp_avg_sq and step")
         if g.get("amsgrad"):
             raise _r.InvalidArgument("reshard.torch.load: amsgrad=True keeps max_exp_avg_sq, which the checkpoint "
                                      "does not carry; refused rather than resuming with it zeroed")
@@ -76,8 +80,11 @@ def _optimizer_states(model: _torch.nn.Module, optimizer, want: bool) -> Dict[st
                 st["exp_avg"] = _torch.zeros_like(p, memory_format=_torch.preserve_format)
                 st["exp_avg_sq"] = _torch.zeros_like(p, memory_format=_torch.preserve_format)
             missing = [k for k in ("step",) + _ADAM_STATES if k not in st]
-            if missing:
-                raise _r.InvalidArgument(f"reshard.torch.load: the optimizer state of {fqn} lacks {missing}")
+            extra = sorted(set(st) - {"step", *_ADAM_STATES})
+            if missing or extra:
+                raise _r.InvalidArgument(f"reshard.torch.load: the optimizer state of {fqn} "
+                                         f"{'lacks ' + str(missing) if missing else 'also holds ' + str(extra)}; "
+                                         "reshard carries step, exp_avg and exp_avg_sq")
             out[fqn] = st
     return out
 
@@ -125,7 +132,8 @@ def _gathered_layout(make_entries, group, what: str):
         entries = make_entries()
         for i, (fqn, state, t) in enumerate(entries):
             if t.dim() == 0:
-                raise _r.InvalidArgument(f"{what}: {fqn} is a 0-d tensor; reshard loads tensors of 1+ dims")
+                raise _r.InvalidArgument(f"{what}: {fqn} is a 0-d tensor; reshard loads tensors of 1+ dims (0-d "
+                                         "buffers such as BatchNorm's num_batches_tracked are not carried yet)")
             local, off, size = _local_box(fqn, t)
             if not local.is_contiguous():
                 raise _r.InvalidArgument(f"{what}: the local shard of {fqn} ({state}) is not contiguous")
@@ -230,9 +238,10 @@ def load(model: _torch.nn.Module, optimizer, path, *, step=None, comm: Optional[
 
     ``model``: an ``nn.Module`` whose parameters are DTensors (FSDP2, tensor parallel) or plain
     tensors; names are its ``state_dict`` keys. ``optimizer``: an Adam-family torch optimizer over
-    the model's parameters (exp_avg, exp_avg_sq and step are loaded; state is created where a fresh
-    optimizer has none), or None for weights only (the checkpoint's optimizer state is then not
-    wanted: policy strict_unexpected defaults to False). Hyperparameters (lr, betas, ...) stay the
+    the model's parameters (Adam, AdamW or RAdam: exp_avg, exp_avg_sq and step are loaded; state
+    is created where a fresh optimizer has none), or None for weights only (the checkpoint's
+    optimizer state is then not wanted; a checkpoint weight the module lacks still is an error
+    under strict_unexpected). Hyperparameters (lr, betas, ...) stay the
     job's own; the checkpoint's are in ``report["state"]["json"]`` (``dcp.values``).
     ``path``: a checkpoint root or step folder (DCP or native); ``step``: as in
     :func:`reshard.load`. ``comm``, ``policies``, ``verify``, ``io_threads``, ``progress``: as in
@@ -250,10 +259,24 @@ def load(model: _torch.nn.Module, optimizer, path, *, step=None, comm: Optional[
     """
     ckpt = path if isinstance(path, _r.Checkpoint) else _r.open_checkpoint(str(path), step=step)
     pol = dict(policies or {})
-    if optimizer is None:
-        pol.setdefault("strict_unexpected", False)
     has_optim = any(b["state"] in _ADAM_STATES for b in ckpt.layout.buffers)
     layout, tensors = module_layout(model, optimizer, optimizer_states=has_optim or optimizer is not None)
+    saved = {t["name"] for t in ckpt.layout.tensors}
+    try:
+        saved_steps = _json.loads(ckpt.state["json"]).get("dcp", {}).get("param_steps", {})
+    except (ValueError, AttributeError, TypeError):
+        saved_steps = {}
+    files_missing = any(n.startswith("missing file: ") for n in ckpt.notes)  # the load names what they held
+    if optimizer is not None and saved_steps and has_optim and not files_missing:
+        # A parameter whose moments load but whose step counter is missing would resume Adam's
+        # bias correction from another parameter's count (or from 0): refused before any write.
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        optimized = {name_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]}
+        nostep = sorted(n for n in optimized if n in saved and n not in saved_steps)
+        if nostep:
+            raise _r.InvalidArgument(f"reshard.torch.load: the checkpoint has no optimizer step counter for "
+                                     f"{', '.join(nostep[:8])}{' ...' if len(nostep) > 8 else ''}, whose moments it "
+                                     "holds; refused rather than guessing their step")
     with _torch.no_grad():
         report = _r.load(ckpt, layout, tensors, comm=comm, policies=pol, verify=verify, io_threads=io_threads,
                          progress=progress)

@@ -252,3 +252,35 @@ def test_plain_dcp_save_of_any_keys_and_dtypes(tmp_path):
     for k in src:
         assert dst[k].dtype == src[k].dtype and torch.equal(dst[k], src[k]), k
     assert report["bytes_read"] == report["bytes_needed"] == sum(v.numel() * v.element_size() for v in src.values())
+
+
+def test_optimizers_whose_state_is_not_adams_are_refused(saved):
+    """NAdam keeps mu_product and Adamax exp_inf: a checkpoint of step, exp_avg, exp_avg_sq cannot
+    restore them, so they are refused by name, before any write."""
+    for cls in (torch.optim.NAdam, torch.optim.Adamax, torch.optim.SGD):
+        e = unchanged_after(lambda m, o, cls=cls: rt.load(m, cls(m.parameters(), lr=1e-3), saved["fsdp"] / "ckpt"))
+        assert isinstance(e.value, reshard.InvalidArgument) and cls.__name__ in str(e.value)
+
+
+def test_missing_step_counter_is_refused(saved, tmp_path):
+    d = copy_ckpt(saved, tmp_path)
+    md = read_metadata(d)
+    del md.state_dict_metadata["optim.state.head.bias.step"]
+    write_metadata(d, md)
+    e = unchanged_after(lambda m, o: rt.load(m, o, d))
+    assert isinstance(e.value, reshard.InvalidArgument)
+    assert "no optimizer step counter for head.bias" in str(e.value)
+
+
+def test_weights_only_still_refuses_a_weight_the_module_lacks(saved):
+    class Smaller(dcp_job.Tiny):
+        def __init__(self):
+            super().__init__()
+            del self.tiny
+    m = Smaller()
+    with pytest.raises(reshard.InvalidArgument, match="tiny"):
+        rt.load(m, None, saved["fsdp"] / "ckpt")
+    report = rt.load(m, None, saved["fsdp"] / "ckpt", policies={"strict_unexpected": False})
+    ref = torch.load(saved["fsdp"] / "reference.pt")
+    assert torch.equal(m.head.weight.detach(), ref["weight/head.weight"])
+    assert report["step_set"] is None
