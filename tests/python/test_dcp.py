@@ -211,11 +211,15 @@ def test_damaged_chunk_fails_its_checksum(saved, tmp_path):
     assert "CRC-32" in str(e.value)
 
 
+class Smaller(dcp_job.Tiny):
+    """The test model without its 3-element parameter `tiny`."""
+
+    def __init__(self):
+        super().__init__()
+        del self.tiny
+
+
 def test_module_that_lacks_a_tensor_is_refused(saved):
-    class Smaller(dcp_job.Tiny):
-        def __init__(self):
-            super().__init__()
-            del self.tiny
     m = Smaller()
     with pytest.raises(reshard.InvalidArgument, match="tiny"):
         rt.load(m, torch.optim.AdamW(m.parameters()), saved["fsdp"] / "ckpt")
@@ -273,10 +277,6 @@ def test_missing_step_counter_is_refused(saved, tmp_path):
 
 
 def test_weights_only_still_refuses_a_weight_the_module_lacks(saved):
-    class Smaller(dcp_job.Tiny):
-        def __init__(self):
-            super().__init__()
-            del self.tiny
     m = Smaller()
     with pytest.raises(reshard.InvalidArgument, match="tiny"):
         rt.load(m, None, saved["fsdp"] / "ckpt")
