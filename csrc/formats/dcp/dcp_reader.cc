@@ -15,6 +15,7 @@
 //  * Flat keys come from flatten_state_dict: nested dict keys joined with '.', list indices as
 //    numbers ("optim.param_groups.0.lr").
 #include "formats/dcp/dcp_reader.h"
+#include "formats/torch/record_check.h"
 
 #include <algorithm>
 #include <cmath>
@@ -170,25 +171,8 @@ class DcpReader final : public CheckpointReader {
   }
   std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const override {
     if (!has_checksum(file, offset, length)) return nullptr;
-    struct Check : RangeCheck {
-      const DcpReader* r = nullptr;
-      int32_t file = 0;
-      uint64_t offset = 0, length = 0;
-      uint32_t crc = 0;
-      void update(const void* data, size_t n) override { crc = pt::zip_crc32(data, n, crc); }
-      std::string finish() override {
-        const uint32_t want = r->records_[size_t(file)].at(offset).second;
-        if (crc == want) return {};
-        std::ostringstream os;
-        os << r->source_.files[size_t(file)] << ": bytes [" << offset << ", " << offset + length
-           << ") fail the zip CRC-32 of their chunk (stored " << std::hex << want << ", computed " << crc << ")";
-        return os.str();
-      }
-    };
-    auto c = std::make_unique<Check>();
-    c->r = this;
-    c->file = file, c->offset = offset, c->length = length;
-    return c;
+    return pt::zip_record_check(source_.files[size_t(file)], offset, length, records_[size_t(file)].at(offset).second,
+                                " of its chunk");
   }
   std::vector<ChecksumUnit> checksum_units() const override {
     std::vector<ChecksumUnit> out;

@@ -21,6 +21,7 @@
 //    writes, so a file whose folder names another DeepSpeed file was renamed after the save and is
 //    refused at open (ds::archive_name_conflict).
 #include "formats/deepspeed/deepspeed_reader.h"
+#include "formats/torch/record_check.h"
 
 #include <algorithm>
 #include <cmath>
@@ -234,25 +235,7 @@ class DeepSpeedReader final : public CheckpointReader {
 
   std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const override {
     if (!has_checksum(file, offset, length)) return nullptr;
-    struct Check : RangeCheck {
-      const DeepSpeedReader* r;
-      int32_t file;
-      uint64_t offset, length;
-      uint32_t crc = 0;
-      void update(const void* data, size_t n) override { crc = pt::zip_crc32(data, n, crc); }
-      std::string finish() override {
-        const uint32_t want = r->records_[file].at(offset).second;
-        if (crc == want) return {};
-        std::ostringstream os;
-        os << r->source_.files[file] << ": bytes [" << offset << ", " << offset + length
-           << ") fail the zip CRC-32 (stored " << std::hex << want << ", computed " << crc << ")";
-        return os.str();
-      }
-    };
-    auto c = std::make_unique<Check>();
-    c->r = this;
-    c->file = file, c->offset = offset, c->length = length;
-    return c;
+    return pt::zip_record_check(source_.files[size_t(file)], offset, length, records_[size_t(file)].at(offset).second);
   }
 
   std::vector<ChecksumUnit> checksum_units() const override {
