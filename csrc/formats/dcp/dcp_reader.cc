@@ -163,11 +163,9 @@ class DcpReader final : public CheckpointReader {
            stamps_[size_t(file)].size, " -> ", now.size, " bytes); open the checkpoint again");
     return now.size;
   }
-  // Each chunk's storage record carries the zip CRC-32 of exactly the chunk's bytes.
+  // Each chunk's storage record carries the zip CRC-32 of its bytes (csrc/formats/torch/record_check.h).
   bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const override {
-    if (file < 0 || size_t(file) >= records_.size()) return false;
-    auto it = records_[size_t(file)].find(offset);
-    return it != records_[size_t(file)].end() && it->second.first == length;
+    return pt::zip_records_have(records_, file, offset, length);
   }
   std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const override {
     if (!has_checksum(file, offset, length)) return nullptr;
@@ -175,10 +173,7 @@ class DcpReader final : public CheckpointReader {
                                 " of its chunk");
   }
   std::vector<ChecksumUnit> checksum_units() const override {
-    std::vector<ChecksumUnit> out;
-    for (size_t f = 0; f < records_.size(); ++f)
-      for (const auto& [off, rec] : records_[f]) out.push_back({int32_t(f), off, rec.first});
-    return out;
+    return pt::zip_record_units(records_);
   }
 
   std::string dir_, fingerprint_;
@@ -187,7 +182,7 @@ class DcpReader final : public CheckpointReader {
   std::vector<std::string> notes_;
   std::vector<io::File> fds_;
   std::vector<io::File::Stamp> stamps_;
-  std::vector<std::map<uint64_t, std::pair<uint64_t, uint32_t>>> records_;  // offset -> (length, crc)
+  pt::ZipRecords records_;  // offset -> (length, crc)
   std::unique_ptr<io::MappedFileSet> maps_;
 };
 

@@ -228,9 +228,7 @@ class DeepSpeedReader final : public CheckpointReader {
   // DeepSpeed files carry no checksums of their own; a read that covers a whole storage record
   // is checked against the zip CRC-32 of that record.
   bool has_checksum(int32_t file, uint64_t offset, uint64_t length) const override {
-    if (file < 0 || size_t(file) >= records_.size()) return false;
-    auto it = records_[file].find(offset);
-    return it != records_[file].end() && it->second.first == length;
+    return pt::zip_records_have(records_, file, offset, length);
   }
 
   std::unique_ptr<RangeCheck> begin_check(int32_t file, uint64_t offset, uint64_t length) const override {
@@ -239,10 +237,7 @@ class DeepSpeedReader final : public CheckpointReader {
   }
 
   std::vector<ChecksumUnit> checksum_units() const override {
-    std::vector<ChecksumUnit> out;
-    for (size_t f = 0; f < records_.size(); ++f)
-      for (const auto& [off, rec] : records_[f]) out.push_back({int32_t(f), off, rec.first});
-    return out;
+    return pt::zip_record_units(records_);
   }
 
   std::string dir_, writer_;
@@ -251,7 +246,7 @@ class DeepSpeedReader final : public CheckpointReader {
   std::vector<std::string> notes_;
   std::vector<io::File> fds_;
   std::vector<io::File::Stamp> stamps_;  // per file, when the open read it
-  std::vector<std::map<uint64_t, std::pair<uint64_t, uint32_t>>> records_;  // offset -> (length, crc)
+  pt::ZipRecords records_;  // offset -> (length, crc)
   std::string missing_;  // missing files, comma-separated
   // Made once the file list is final; each file is mapped on its first use (MappedFileSet::get).
   std::unique_ptr<io::MappedFileSet> maps_;

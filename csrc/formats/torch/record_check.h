@@ -4,9 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "reshard/checkpoint.h"
 #include "reshard/torch_archive.h"
@@ -36,6 +39,24 @@ inline std::unique_ptr<RangeCheck> zip_record_check(std::string path, uint64_t o
   c->what = std::move(what);
   c->offset = offset, c->length = length, c->want = want;
   return c;
+}
+
+/// The storage records of a reader's files: per file index, record offset -> (length, CRC-32).
+using ZipRecords = std::vector<std::map<uint64_t, std::pair<uint64_t, uint32_t>>>;
+
+/// Whether [offset, offset + length) of file `file` is exactly one record (has_checksum).
+inline bool zip_records_have(const ZipRecords& r, int32_t file, uint64_t offset, uint64_t length) {
+  if (file < 0 || size_t(file) >= r.size()) return false;
+  auto it = r[size_t(file)].find(offset);
+  return it != r[size_t(file)].end() && it->second.first == length;
+}
+
+/// Every record as a checksum unit, in file and offset order (checksum_units).
+inline std::vector<ChecksumUnit> zip_record_units(const ZipRecords& r) {
+  std::vector<ChecksumUnit> out;
+  for (size_t f = 0; f < r.size(); ++f)
+    for (const auto& [off, rec] : r[f]) out.push_back({int32_t(f), off, rec.first});
+  return out;
 }
 
 }  // namespace reshard::pt
