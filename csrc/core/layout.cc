@@ -724,7 +724,7 @@ Layout explicit_layout(const std::string& name, const Topology& topo, const std:
   L.model.name = name;
   L.explicit_boxes = true;
   std::set<std::pair<std::string, int>> seen;
-  std::set<std::string> specs;
+  std::unordered_map<std::string, size_t> spec_of;  // tensor name -> index into L.tensors
   for (const ExplicitArray& a : arrays) {
     const std::string what = name + ": tensor " + a.tensor + " (" + state_kind_name(a.state) + ")";
     if (a.shape.empty() || a.shape.size() > size_t(kMaxDims))
@@ -745,15 +745,14 @@ Layout explicit_layout(const std::string& name, const Topology& topo, const std:
     la.ndim = int(a.shape.size());
     for (int d = 0; d < la.ndim; ++d) la.shape[d] = a.shape[size_t(d)];
     L.arrays.push_back(la);
-    if (specs.insert(a.tensor).second) {
+    auto [it, fresh] = spec_of.emplace(a.tensor, L.tensors.size());
+    if (fresh) {
       TensorSpec t;
       t.name = a.tensor;
       t.shape = a.shape;
       L.tensors.push_back(t);
-    } else {
-      for (const TensorSpec& t : L.tensors)
-        if (t.name == a.tensor && t.shape != a.shape)
-          fail(ErrorCode::kInvalidArgument, what, " has another shape than the tensor's other states");
+    } else if (L.tensors[it->second].shape != a.shape) {
+      fail(ErrorCode::kInvalidArgument, what, " has another shape than the tensor's other states");
     }
   }
   std::set<std::pair<int, std::string>> names;
